@@ -1,0 +1,164 @@
+"""Per-block state for every registered KV block, as numpy arrays.
+
+One ``BlockTable`` holds all blocks of all regions as a struct of arrays (no
+Python object per block). Each region owns one contiguous slice; the registry
+adds and removes regions, hotness sources write ``temp``/``last_access``, the
+policy reads a snapshot and the migrator's results write ``tier``,
+``last_move``, ``retry_at`` and ``flags``.
+
+Tier numbers are indices into the topology's ordered tier list (0 = fastest,
+DRAM); ``TIER_UNKNOWN`` marks a block whose placement has not been measured
+and ``TIER_MIXED`` one whose pages straddle tiers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+TIER_UNKNOWN = -1
+TIER_MIXED = -2
+
+# flags bits
+F_UNMOVABLE = 1 << 0  # pages pinned (move_pages keeps failing with EBUSY...)
+F_KEEP_DRAM = 1 << 1  # region constraint: never demote out of tier 0
+F_NEVER_SWAP = 1 << 2  # region constraint: never page out to swap
+F_PREFILL_DONE = 1 << 3  # phase hint: block is read-only now, demotion candidate
+F_MANUAL_PIN = 1 << 4  # operator pinned the block to its current tier
+F_NOT_PRESENT = 1 << 5  # no page of the block has been touched yet
+
+FIELDS: dict[str, np.dtype] = {
+    "region": np.dtype(np.int32),
+    "index": np.dtype(np.int32),
+    "addr": np.dtype(np.uint64),
+    "nbytes": np.dtype(np.uint64),
+    "pid": np.dtype(np.int32),
+    "tier": np.dtype(np.int8),
+    "pin_tier": np.dtype(np.int8),
+    "temp": np.dtype(np.float32),
+    "last_access": np.dtype(np.float64),
+    "last_move": np.dtype(np.float64),
+    "retry_at": np.dtype(np.float64),
+    "fail_count": np.dtype(np.uint16),
+    "flags": np.dtype(np.uint8),
+    "priority": np.dtype(np.int8),
+    "tenant": np.dtype(np.int16),
+}
+
+_DEFAULTS = {
+    "tier": TIER_UNKNOWN,
+    "pin_tier": TIER_UNKNOWN,
+    "last_access": -np.inf,
+    "last_move": -np.inf,
+    "retry_at": -np.inf,
+}
+
+
+@dataclass(frozen=True)
+class Slice:
+    start: int
+    count: int
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.count
+
+
+class BlockTable:
+    """Growable struct-of-arrays; region ``r`` lives in ``self.slices[r]``."""
+
+    def __init__(self, capacity: int = 1024):
+        self._cap = max(16, capacity)
+        self.n = 0
+        self.slices: dict[int, Slice] = {}
+        self._a: dict[str, np.ndarray] = {}
+        for name, dt in FIELDS.items():
+            arr = np.zeros(self._cap, dtype=dt)
+            if name in _DEFAULTS:
+                arr[:] = _DEFAULTS[name]
+            self._a[name] = arr
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getattr__(self, name: str) -> np.ndarray:
+        # Live views of the used part of each array: table.temp, table.tier...
+        a = self.__dict__.get("_a")
+        if a is not None and name in a:
+            return a[name][: self.n]
+        raise AttributeError(name)
+
+    def _grow(self, need: int) -> None:
+        if need <= self._cap:
+            return
+        cap = self._cap
+        while cap < need:
+            cap *= 2
+        for name, arr in self._a.items():
+            new = np.zeros(cap, dtype=arr.dtype)
+            if name in _DEFAULTS:
+                new[:] = _DEFAULTS[name]
+            new[: self.n] = arr[: self.n]
+            self._a[name] = new
+        self._cap = cap
+
+    def add_region(
+        self,
+        region: int,
+        pid: int,
+        start: int,
+        length: int,
+        block_size: int,
+        *,
+        flags: int = 0,
+        priority: int = 0,
+        tenant: int = 0,
+    ) -> Slice:
+        """Append the blocks of one region; the last block may be short."""
+        if region in self.slices:
+            raise KeyError(f"region {region} already in the block table")
+        count = (length + block_size - 1) // block_size
+        s = Slice(self.n, count)
+        self._grow(self.n + count)
+        sl = slice(s.start, s.stop)
+        a = self._a
+        idx = np.arange(count, dtype=np.uint64)
+        a["region"][sl] = region
+        a["index"][sl] = idx.astype(np.int32)
+        a["addr"][sl] = np.uint64(start) + idx * np.uint64(block_size)
+        sizes = np.full(count, block_size, dtype=np.uint64)
+        if count:
+            sizes[-1] = length - (count - 1) * block_size
+        a["nbytes"][sl] = sizes
+        a["pid"][sl] = pid
+        a["flags"][sl] = flags | F_NOT_PRESENT
+        a["priority"][sl] = priority
+        a["tenant"][sl] = tenant
+        for name, dflt in _DEFAULTS.items():
+            a[name][sl] = dflt
+        a["temp"][sl] = 0
+        a["fail_count"][sl] = 0
+        self.n += count
+        self.slices[region] = s
+        return s
+
+    def remove_region(self, region: int) -> None:
+        """Drop a region's blocks, shifting later regions down (one copy per array)."""
+        s = self.slices.pop(region)
+        tail = slice(s.stop, self.n)
+        for arr in self._a.values():
+            arr[s.start : self.n - s.count] = arr[tail].copy()
+        self.n -= s.count
+        self.slices = {
+            r: (Slice(v.start - s.count, v.count) if v.start > s.start else v)
+            for r, v in self.slices.items()
+        }
+
+    def region_view(self, region: int, name: str) -> np.ndarray:
+        s = self.slices[region]
+        return self._a[name][s.start : s.stop]
+
+    def snapshot(self) -> dict[str, np.ndarray]:
+        """Copies of every array: what the policy sees, immune to later writes."""
+        return {name: arr[: self.n].copy() for name, arr in self._a.items()}
