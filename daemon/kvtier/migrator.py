@@ -1,0 +1,355 @@
+"""Moves KV blocks between NUMA nodes and swap, and measures where they are.
+
+A block is an address range of another process. Every operation works on a
+batch of blocks at once: page addresses are generated with numpy (no Python
+loop per page), handed to move_pages / process_madvise in a few large
+syscalls, and per-page results are folded back into per-block answers with
+bincount. Per-page failures never raise; they are counted by errno name and
+flagged per block. Only whole-call failures (process gone, no permission,
+unknown node) raise typed errors.
+
+Kernel behaviour this module relies on (measured, see DESIGN.md):
+- move_pages(nodes=NULL) returns each page's node, -ENOENT for a page that
+  is not present (never touched, or swapped out) and -EFAULT for an address
+  outside any mapping. pagemap bit 62 tells swapped from never touched.
+- A transparent huge page reports -EBUSY once yet is migrated; re-querying
+  resolves it. A page that stays -EBUSY is pinned (long-term GUP: CUDA host
+  registrations, RDMA) and is reported as unmovable.
+- MADV_PAGEOUT skips pages mapped by more than one process and pinned pages;
+  what really went to swap is read back from pagemap.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvtier import native
+from kvtier.errors import InvalidArgument, os_error
+from kvtier.procfs import PM_PRESENT, PM_SWAP, Pagemap, check_range, read_maps
+
+# Pages per move_pages call: large enough that syscall overhead vanishes,
+# small enough that one call does not hold the target's mmap lock for long.
+DEFAULT_BATCH_PAGES = 1 << 16
+# Re-query/retry rounds for -EBUSY pages before calling them pinned.
+BUSY_RETRIES = 2
+
+_ENOENT = -errno.ENOENT
+_EBUSY = -errno.EBUSY
+
+
+def _errno_name(neg: int) -> str:
+    return errno.errorcode.get(-int(neg), str(-int(neg)))
+
+
+@dataclass
+class PageLayout:
+    """The pages of a batch of blocks, flattened, with each page's block."""
+
+    addrs: np.ndarray  # uint64 page addresses, all blocks concatenated
+    block_of: np.ndarray  # int64 block index of each page
+    pages: np.ndarray  # int64 pages per block
+    runs: list[tuple[int, int, int]]  # (start address, first page, npages) contiguous runs
+
+
+def page_layout(starts: np.ndarray, lengths: np.ndarray | int, page_size: int) -> PageLayout:
+    starts = np.asarray(starts, dtype=np.uint64)
+    lengths = np.broadcast_to(np.asarray(lengths, dtype=np.uint64), starts.shape)
+    if starts.ndim != 1:
+        raise InvalidArgument("starts must be a 1-d array")
+    ps = np.uint64(page_size)
+    lo = starts - starts % ps
+    hi = starts + lengths
+    hi = hi + (ps - hi % ps) % ps
+    pages = ((hi - lo) // ps).astype(np.int64)
+    if np.any(lengths == 0):
+        raise InvalidArgument("zero-length block")
+    total = int(pages.sum())
+    first = np.zeros(len(pages), dtype=np.int64)
+    np.cumsum(pages[:-1], out=first[1:])
+    block_of = np.repeat(np.arange(len(pages), dtype=np.int64), pages)
+    addrs = lo[block_of] + (np.arange(total, dtype=np.int64) - first[block_of]).astype(np.uint64) * ps
+    # Contiguous runs (blocks of one region are adjacent): one pagemap read each.
+    runs: list[tuple[int, int, int]] = []
+    if len(pages):
+        breaks = np.flatnonzero(lo[1:] != hi[:-1]) + 1
+        edges = np.concatenate(([0], breaks, [len(pages)]))
+        for a, b in zip(edges[:-1], edges[1:]):
+            runs.append((int(lo[a]), int(first[a]), int(first[b - 1] + pages[b - 1] - first[a])))
+    return PageLayout(addrs=addrs, block_of=block_of, pages=pages, runs=runs)
+
+
+@dataclass
+class Residency:
+    """Where each block's pages are."""
+
+    node_pages: np.ndarray  # (blocks, nodes) int64: resident pages per node
+    swapped: np.ndarray  # (blocks,) pages in swap
+    absent: np.ndarray  # (blocks,) pages never touched (not present, not swapped)
+    errors: dict[str, int]  # other per-page statuses by errno name (EFAULT = unmapped)
+    pages: np.ndarray  # (blocks,) pages per block
+
+    @property
+    def resident(self) -> np.ndarray:
+        return self.node_pages.sum(axis=1)
+
+    def dominant_node(self) -> np.ndarray:
+        """Node with most of each block's resident pages, -1 if none resident."""
+        if self.node_pages.shape[1] == 0:
+            return np.full(len(self.pages), -1, dtype=np.int64)
+        dom = self.node_pages.argmax(axis=1)
+        return np.where(self.resident > 0, dom, -1)
+
+    def to_dict(self) -> dict:
+        return {
+            "node_pages": self.node_pages.tolist(),
+            "swapped": self.swapped.tolist(),
+            "absent": self.absent.tolist(),
+            "errors": dict(self.errors),
+            "pages": self.pages.tolist(),
+        }
+
+
+@dataclass
+class MoveResult:
+    op: str  # "move", "pageout", "pagein"
+    target: str  # "node N" or "swap"
+    pages: int  # pages attempted
+    done: int  # pages that ended where asked
+    errors: dict[str, int] = field(default_factory=dict)  # pages by errno name
+    block_ok: np.ndarray | None = None  # (blocks,) every present page ended at the target
+    block_unmovable: np.ndarray | None = None  # (blocks,) some page stayed pinned/busy
+    seconds: float = 0.0
+    dry_run: bool = False
+    page_size: int = native.PAGE_SIZE
+
+    @property
+    def bytes_done(self) -> int:
+        return self.done * self.page_size
+
+    def to_dict(self) -> dict:
+        return {
+            "op": self.op,
+            "target": self.target,
+            "pages": self.pages,
+            "done": self.done,
+            "bytes_done": self.bytes_done,
+            "errors": dict(self.errors),
+            "blocks_ok": int(self.block_ok.sum()) if self.block_ok is not None else 0,
+            "blocks_unmovable": int(self.block_unmovable.sum()) if self.block_unmovable is not None else 0,
+            "seconds": self.seconds,
+            "dry_run": self.dry_run,
+        }
+
+
+def _count_errors(status: np.ndarray, ignore: tuple[int, ...] = ()) -> dict[str, int]:
+    neg = status[status < 0]
+    if not len(neg):
+        return {}
+    vals, counts = np.unique(neg, return_counts=True)
+    return {_errno_name(v): int(c) for v, c in zip(vals, counts) if int(v) not in ignore}
+
+
+class Migrator:
+    """Actuator for block placement. ``dry_run`` records instead of acting."""
+
+    def __init__(
+        self,
+        proc_root: str = "/proc",
+        dry_run: bool = False,
+        batch_pages: int = DEFAULT_BATCH_PAGES,
+        page_size: int = native.PAGE_SIZE,
+        max_node: int | None = None,
+    ):
+        self.proc_root = proc_root
+        self.dry_run = dry_run
+        self.batch_pages = batch_pages
+        self.page_size = page_size
+        self.max_node = native.numa_max_node() if max_node is None else max_node
+        self.record: list[dict] = []
+
+    # -- queries -----------------------------------------------------------
+
+    def _status(self, pid: int, addrs: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        status = np.empty(len(addrs), dtype=np.int32) if out is None else out
+        for i in range(0, len(addrs), self.batch_pages):
+            native.move_pages(pid, addrs[i : i + self.batch_pages], None, status=status[i : i + self.batch_pages])
+        return status
+
+    def _pagemap(self, pid: int, layout: PageLayout) -> np.ndarray:
+        entries = np.empty(len(layout.addrs), dtype=np.uint64)
+        with Pagemap(pid, self.proc_root) as pm:
+            for start, first, n in layout.runs:
+                entries[first : first + n] = pm.read(start, n, self.page_size)
+        return entries
+
+    def residency(self, pid: int, starts: np.ndarray, lengths: np.ndarray | int) -> Residency:
+        """Pages per node, swapped and never-touched pages, for each block."""
+        layout = page_layout(starts, lengths, self.page_size)
+        nb = len(layout.pages)
+        nn = self.max_node + 1
+        status = self._status(pid, layout.addrs)
+        pm = self._pagemap(pid, layout)
+        on_node = status >= 0
+        node_pages = np.bincount(
+            layout.block_of[on_node] * nn + status[on_node], minlength=nb * nn
+        ).reshape(nb, nn)
+        swapped_page = ((pm & PM_SWAP) != 0) & ~on_node
+        absent_page = (status == _ENOENT) & ~swapped_page
+        swapped = np.bincount(layout.block_of[swapped_page], minlength=nb)
+        absent = np.bincount(layout.block_of[absent_page], minlength=nb)
+        other = ~on_node & (status != _ENOENT)
+        errors = _count_errors(status[other])
+        return Residency(node_pages, swapped, absent, errors, layout.pages)
+
+    def check_mapped(self, pid: int, layout: PageLayout) -> None:
+        """Raise RangeNotMapped unless every block lies inside the process's mappings.
+
+        Checked before acting so an unmapped range is a clear error rather
+        than a scatter of per-page EFAULTs.
+        """
+        maps = read_maps(pid, self.proc_root)
+        for start, _first, n in layout.runs:
+            check_range(maps, start, n * self.page_size, kv_only=False)
+
+    # -- actions -----------------------------------------------------------
+
+    def move(self, pid: int, starts: np.ndarray, lengths: np.ndarray | int, node: int) -> MoveResult:
+        """Migrate the present pages of the blocks to ``node`` (move_pages).
+
+        Swapped-out pages are not present and are left where they are (use
+        pagein); they do not count against a block being ok.
+        """
+        if not 0 <= node <= self.max_node:
+            raise InvalidArgument(f"unknown NUMA node {node} (this machine has nodes 0-{self.max_node})")
+        layout = page_layout(starts, lengths, self.page_size)
+        t0 = time.monotonic()
+        if self.dry_run:
+            self.record.append({"op": "move_pages", "pid": pid, "pages": len(layout.addrs), "node": node})
+            return MoveResult("move", f"node {node}", len(layout.addrs), 0, dry_run=True, page_size=self.page_size)
+        self.check_mapped(pid, layout)
+        status = np.empty(len(layout.addrs), dtype=np.int32)
+        for i in range(0, len(layout.addrs), self.batch_pages):
+            native.move_pages(
+                pid, layout.addrs[i : i + self.batch_pages], node, status=status[i : i + self.batch_pages]
+            )
+        status = self._resolve_busy(pid, layout.addrs, status, node)
+        return self._result("move", f"node {node}", layout, status, node, t0)
+
+    def _resolve_busy(self, pid: int, addrs: np.ndarray, status: np.ndarray, node: int) -> np.ndarray:
+        """Re-query -EBUSY pages; retry those not yet on ``node``.
+
+        One -EBUSY per THP is expected (the huge page is split or migrated
+        whole while its tail pages report busy); a page still busy after
+        BUSY_RETRIES rounds is pinned.
+        """
+        busy = np.flatnonzero(status == _EBUSY)
+        for _ in range(BUSY_RETRIES + 1):
+            if not len(busy):
+                break
+            now = self._status(pid, np.ascontiguousarray(addrs[busy]))
+            # Busy pages now on the node (the THP case) are done; a re-query
+            # failure (page gone) replaces the busy status too.
+            still = (now >= 0) & (now != node)
+            status[busy[~still]] = now[~still]
+            busy = busy[still]
+            if not len(busy) or _ == BUSY_RETRIES:
+                break
+            res = native.move_pages(pid, np.ascontiguousarray(addrs[busy]), node)
+            status[busy] = res
+            busy = busy[res == _EBUSY]
+        # Whatever is left busy after the retries is pinned: keep -EBUSY.
+        status[busy] = _EBUSY
+        return status
+
+    def _result(self, op: str, target: str, layout: PageLayout, status: np.ndarray, node: int, t0: float) -> MoveResult:
+        nb = len(layout.pages)
+        done_page = status == node
+        ok_page = done_page | (status == _ENOENT)
+        bad_page = ~ok_page
+        block_ok = np.bincount(layout.block_of[bad_page], minlength=nb) == 0
+        block_unmovable = np.bincount(layout.block_of[status == _EBUSY], minlength=nb) > 0
+        errors = _count_errors(status[bad_page & (status < 0)])
+        wrong_node = bad_page & (status >= 0)
+        if wrong_node.any():
+            errors["WRONG_NODE"] = int(wrong_node.sum())
+        return MoveResult(
+            op, target, len(layout.addrs), int(done_page.sum()), errors, block_ok, block_unmovable,
+            time.monotonic() - t0, page_size=self.page_size,
+        )
+
+    def _iov(self, layout: PageLayout) -> np.ndarray:
+        return native.iovecs(
+            np.array([r[0] for r in layout.runs], dtype=np.uint64),
+            np.array([r[2] * self.page_size for r in layout.runs], dtype=np.uint64),
+        )
+
+    def pageout(self, pid: int, starts: np.ndarray, lengths: np.ndarray | int) -> MoveResult:
+        """Push the blocks to swap with process_madvise(MADV_PAGEOUT)."""
+        layout = page_layout(starts, lengths, self.page_size)
+        t0 = time.monotonic()
+        if self.dry_run:
+            self.record.append({"op": "pageout", "pid": pid, "pages": len(layout.addrs)})
+            return MoveResult("pageout", "swap", len(layout.addrs), 0, dry_run=True, page_size=self.page_size)
+        if not native.HAS_PROCESS_MADVISE:
+            raise os_error(errno.ENOSYS, "process_madvise", "not supported by these kernel headers")
+        self.check_mapped(pid, layout)
+        pidfd = native.pidfd_open(pid)
+        try:
+            native.process_madvise(pidfd, self._iov(layout), native.MADV_PAGEOUT, f"pageout pid={pid}")
+        finally:
+            os.close(pidfd)
+        return self._swap_result("pageout", layout, pid, t0)
+
+    def _swap_result(self, op: str, layout: PageLayout, pid: int, t0: float) -> MoveResult:
+        nb = len(layout.pages)
+        pm = self._pagemap(pid, layout)
+        swapped = (pm & PM_SWAP) != 0
+        present = (pm & PM_PRESENT) != 0
+        # A present page after MADV_PAGEOUT was skipped: shared with another
+        # process, pinned, or there is no swap space.
+        stuck = present & ~swapped
+        errors = {"NOT_PAGED_OUT": int(stuck.sum())} if stuck.any() else {}
+        block_ok = np.bincount(layout.block_of[stuck], minlength=nb) == 0
+        return MoveResult(
+            op, "swap", len(layout.addrs), int(swapped.sum()), errors, block_ok, ~block_ok,
+            time.monotonic() - t0, page_size=self.page_size,
+        )
+
+    def pagein(self, pid: int, starts: np.ndarray, lengths: np.ndarray | int, node: int) -> MoveResult:
+        """Bring swapped pages back and place the blocks on ``node``.
+
+        MADV_WILLNEED starts asynchronous swap-in of the whole range; reading
+        one byte of each swapped page through process_vm_readv then faults
+        it in synchronously (wherever the kernel allocates), and move_pages
+        finally puts every present page on ``node``.
+        """
+        if not 0 <= node <= self.max_node:
+            raise InvalidArgument(f"unknown NUMA node {node} (this machine has nodes 0-{self.max_node})")
+        layout = page_layout(starts, lengths, self.page_size)
+        t0 = time.monotonic()
+        if self.dry_run:
+            self.record.append({"op": "pagein", "pid": pid, "pages": len(layout.addrs), "node": node})
+            return MoveResult("pagein", f"node {node}", len(layout.addrs), 0, dry_run=True, page_size=self.page_size)
+        self.check_mapped(pid, layout)
+        pm = self._pagemap(pid, layout)
+        swapped = np.flatnonzero((pm & PM_SWAP) != 0)
+        if len(swapped):
+            if native.HAS_PROCESS_MADVISE:
+                pidfd = native.pidfd_open(pid)
+                try:
+                    native.process_madvise(pidfd, self._iov(layout), native.MADV_WILLNEED, f"pagein pid={pid}")
+                finally:
+                    os.close(pidfd)
+            native.touch_remote(pid, np.ascontiguousarray(layout.addrs[swapped]))
+        status = np.empty(len(layout.addrs), dtype=np.int32)
+        for i in range(0, len(layout.addrs), self.batch_pages):
+            native.move_pages(
+                pid, layout.addrs[i : i + self.batch_pages], node, status=status[i : i + self.batch_pages]
+            )
+        status = self._resolve_busy(pid, layout.addrs, status, node)
+        return self._result("pagein", f"node {node}", layout, status, node, t0)

@@ -1,0 +1,162 @@
+"""The migrator against the real kernel of this host (one NUMA node, swap file)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import numpy as np
+import pytest
+
+from kvchild import KVChild
+from kvtier import native
+from kvtier.errors import InvalidArgument, PermissionDenied, ProcessGone, RangeNotMapped
+from kvtier.migrator import Migrator
+from kvtier.procfs import PM_PRESENT, PM_SWAP, Pagemap
+
+pytestmark = pytest.mark.root
+
+MiB = 1 << 20
+BLOCK = 2 * MiB
+
+
+def blocks(child: KVChild, first: int = 0, count: int | None = None):
+    n = child.size // BLOCK
+    count = n - first if count is None else count
+    starts = child.addr + np.arange(first, first + count, dtype=np.uint64) * np.uint64(BLOCK)
+    return starts, np.full(count, BLOCK, dtype=np.uint64)
+
+
+def pagemap_counts(pid: int, addr: int, size: int) -> tuple[int, int]:
+    with Pagemap(pid) as pm:
+        e = pm.read(addr, size // native.PAGE_SIZE, native.PAGE_SIZE)
+    return int(((e & PM_PRESENT) != 0).sum()), int(((e & PM_SWAP) != 0).sum())
+
+
+def test_pageout_half_and_back_keeps_bytes(swapfile):
+    with KVChild(256 * MiB) as child:
+        before = child.checksum()
+        mig = Migrator()
+        starts, lengths = blocks(child)
+        res = mig.residency(child.pid, starts, lengths)
+        assert res.node_pages[:, 0].sum() == 256 * MiB // native.PAGE_SIZE
+        assert res.swapped.sum() == 0
+
+        half_s, half_l = blocks(child, 0, 64)
+        out = mig.pageout(child.pid, half_s, half_l)
+        assert out.done == 128 * MiB // native.PAGE_SIZE, out.to_dict()
+        assert out.block_ok.all()
+
+        res = mig.residency(child.pid, starts, lengths)
+        present, swapped = pagemap_counts(child.pid, child.addr, child.size)
+        # Residency agrees with pagemap, page for page in total and per half.
+        assert int(res.swapped.sum()) == swapped == 128 * MiB // native.PAGE_SIZE
+        assert int(res.resident.sum()) == present
+        assert (res.swapped[:64] == BLOCK // native.PAGE_SIZE).all()
+        assert (res.swapped[64:] == 0).all()
+        assert (res.dominant_node()[:64] == -1).all()
+
+        back = mig.pagein(child.pid, half_s, half_l, 0)
+        assert back.done == 128 * MiB // native.PAGE_SIZE, back.to_dict()
+        assert back.block_ok.all()
+        res = mig.residency(child.pid, starts, lengths)
+        assert res.swapped.sum() == 0
+        assert (res.dominant_node() == 0).all()
+        assert child.checksum() == before
+
+
+def test_move_to_local_node_reports_every_page():
+    with KVChild(16 * MiB) as child:
+        mig = Migrator()
+        starts, lengths = blocks(child)
+        r = mig.move(child.pid, starts, lengths, 0)
+        assert r.done == r.pages == 16 * MiB // native.PAGE_SIZE
+        assert r.block_ok.all() and not r.block_unmovable.any()
+        assert r.errors == {}
+
+
+def test_untouched_pages_are_absent_not_swapped():
+    mig = Migrator()
+    with KVChild(4 * MiB) as filled:
+        assert mig.residency(filled.pid, *blocks(filled)).absent.sum() == 0
+    with KVChild(4 * MiB, "--sparse") as sparse:
+        res = mig.residency(sparse.pid, *blocks(sparse))
+        assert res.absent.sum() == 4 * MiB // native.PAGE_SIZE
+        assert res.swapped.sum() == 0
+        assert (res.dominant_node() == -1).all()
+
+
+def test_unknown_node_is_a_clear_error_and_nothing_moves():
+    with KVChild(4 * MiB) as child:
+        mig = Migrator()
+        with pytest.raises(InvalidArgument, match="unknown NUMA node 7"):
+            mig.move(child.pid, *blocks(child), 7)
+        res = mig.residency(child.pid, *blocks(child))
+        assert (res.dominant_node() == 0).all()
+
+
+def test_exited_pid_is_process_gone():
+    child = KVChild(2 * MiB)
+    starts, lengths = blocks(child)
+    pid = child.pid
+    child.close()
+    mig = Migrator()
+    for call in (
+        lambda: mig.residency(pid, starts, lengths),
+        lambda: mig.move(pid, starts, lengths, 0),
+        lambda: mig.pageout(pid, starts, lengths),
+    ):
+        with pytest.raises(ProcessGone):
+            call()
+
+
+def test_unmapped_range_is_refused_before_acting(swapfile):
+    with KVChild(4 * MiB) as child:
+        mig = Migrator()
+        bad = np.array([4096], dtype=np.uint64)
+        with pytest.raises(RangeNotMapped):
+            mig.move(child.pid, bad, BLOCK, 0)
+        # A range running past the end of the pool is refused whole.
+        with pytest.raises(RangeNotMapped):
+            mig.pageout(child.pid, np.array([child.addr], dtype=np.uint64), child.size + BLOCK)
+        _, swapped = pagemap_counts(child.pid, child.addr, child.size)
+        assert swapped == 0
+
+
+def _as_nobody(pid, starts, lengths, q):
+    os.setgroups([])
+    os.setgid(65534)
+    os.setuid(65534)
+    try:
+        Migrator().residency(pid, starts, lengths)
+        q.put("allowed")
+    except PermissionDenied as e:
+        q.put(f"denied {e.errno}")
+    except Exception as e:  # report anything else to the test
+        q.put(f"other {type(e).__name__}: {e}")
+
+
+def test_other_users_process_without_privilege_is_denied():
+    with KVChild(2 * MiB) as child:
+        ctx = multiprocessing.get_context("fork")
+        q = ctx.Queue()
+        p = ctx.Process(target=_as_nobody, args=(child.pid, *blocks(child), q))
+        p.start()
+        p.join(30)
+        answer = q.get(timeout=5)
+        assert answer.startswith("denied"), answer
+        # The child is untouched and still serving.
+        assert child.ask("touch 0 4096").startswith("ok")
+
+
+def test_dry_run_records_and_does_not_act(swapfile):
+    with KVChild(4 * MiB) as child:
+        mig = Migrator(dry_run=True)
+        starts, lengths = blocks(child)
+        mig.pageout(child.pid, starts, lengths)
+        mig.move(child.pid, starts, lengths, 0)
+        mig.pagein(child.pid, starts, lengths, 0)
+        assert [r["op"] for r in mig.record] == ["pageout", "move_pages", "pagein"]
+        assert all(r["pages"] == 4 * MiB // native.PAGE_SIZE for r in mig.record)
+        _, swapped = pagemap_counts(child.pid, child.addr, child.size)
+        assert swapped == 0

@@ -1,0 +1,113 @@
+"""A stand-in inference process for tests: maps a KV pool and obeys commands.
+
+Run as ``python tests/kvchild.py SIZE [--shared] [--thp] [--sparse]``. It maps SIZE bytes
+of anonymous memory, fills it with a deterministic pseudo-random pattern,
+prints ``ready <address> <size>`` and then reads commands from stdin, one per
+line, answering one line each:
+
+    sum                 sha256 of the whole pool (touches every page)
+    touch OFF LEN       read one byte per page of [OFF, OFF+LEN)
+    write OFF LEN BYTE  fill [OFF, OFF+LEN) with BYTE
+    exit                quit
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import mmap
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+MADV_HUGEPAGE = 14
+MADV_NOHUGEPAGE = 15
+
+
+def main() -> None:
+    size = int(sys.argv[1])
+    shared = "--shared" in sys.argv
+    thp = "--thp" in sys.argv
+    sparse = "--sparse" in sys.argv  # leave the pool untouched (never faulted in)
+    flags = mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE
+    buf = mmap.mmap(-1, size, flags=flags | mmap.MAP_ANONYMOUS, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    buf.madvise(MADV_HUGEPAGE if thp else MADV_NOHUGEPAGE)
+    arr = np.frombuffer(buf, dtype=np.uint8)
+    rng = np.random.default_rng(1234)
+    step = 1 << 24
+    for off in range(0, 0 if sparse else size, step):
+        n = min(step, size - off)
+        arr[off : off + n] = rng.integers(0, 256, n, dtype=np.uint8)
+    page = os.sysconf("SC_PAGE_SIZE")
+    print(f"ready {addr} {size}", flush=True)
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd:
+            continue
+        if cmd[0] == "sum":
+            print(hashlib.sha256(buf).hexdigest(), flush=True)
+        elif cmd[0] == "touch":
+            off, ln = int(cmd[1]), int(cmd[2])
+            s = int(arr[off : off + ln : page].sum())
+            print(f"ok {s}", flush=True)
+        elif cmd[0] == "write":
+            off, ln, b = int(cmd[1]), int(cmd[2]), int(cmd[3])
+            arr[off : off + ln] = b
+            print("ok", flush=True)
+        elif cmd[0] == "exit":
+            print("bye", flush=True)
+            return
+        else:
+            print(f"error unknown command {cmd[0]}", flush=True)
+
+
+class KVChild:
+    """Host-side handle: starts kvchild.py and talks to it."""
+
+    def __init__(self, size: int, *extra: str, python: str = sys.executable):
+        self.proc = subprocess.Popen(
+            [python, os.path.abspath(__file__), str(size), *extra],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        line = self.proc.stdout.readline().split()
+        if not line or line[0] != "ready":
+            self.proc.kill()
+            raise RuntimeError(f"kvchild failed to start: {line}")
+        self.addr = int(line[1])
+        self.size = int(line[2])
+        self.pid = self.proc.pid
+
+    def ask(self, cmd: str) -> str:
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+    def checksum(self) -> str:
+        return self.ask("sum")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.ask("exit")
+            except (BrokenPipeError, OSError):
+                pass
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> "KVChild":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+if __name__ == "__main__":
+    main()
