@@ -22,7 +22,9 @@ Kernel behaviour this module relies on (measured, see DESIGN.md):
 from __future__ import annotations
 
 import errno
+import functools
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -48,39 +50,53 @@ def _errno_name(neg: int) -> str:
 
 @dataclass
 class PageLayout:
-    """The pages of a batch of blocks, flattened, with each page's block."""
+    """The pages of a batch of blocks, flattened in block order."""
 
     addrs: np.ndarray  # uint64 page addresses, all blocks concatenated
-    block_of: np.ndarray  # int64 block index of each page
+    first: np.ndarray  # int64 index of each block's first page in addrs
     pages: np.ndarray  # int64 pages per block
     runs: list[tuple[int, int, int]]  # (start address, first page, npages) contiguous runs
 
+    def per_block(self, page_mask: np.ndarray) -> np.ndarray:
+        """Count the True pages of each block (one reduceat, no per-page index)."""
+        if not len(self.pages):
+            return np.zeros(0, dtype=np.int64)
+        return np.add.reduceat(page_mask.astype(np.int64, copy=False), self.first)
 
-def page_layout(starts: np.ndarray, lengths: np.ndarray | int, page_size: int) -> PageLayout:
+
+def page_layout(
+    starts: np.ndarray, lengths: np.ndarray | int, page_size: int, out: np.ndarray | None = None
+) -> PageLayout:
+    """Page addresses of a batch of blocks; ``out`` (uint64) is reused if large enough."""
     starts = np.asarray(starts, dtype=np.uint64)
     lengths = np.broadcast_to(np.asarray(lengths, dtype=np.uint64), starts.shape)
     if starts.ndim != 1:
         raise InvalidArgument("starts must be a 1-d array")
+    if np.any(lengths == 0):
+        raise InvalidArgument("zero-length block")
     ps = np.uint64(page_size)
     lo = starts - starts % ps
     hi = starts + lengths
     hi = hi + (ps - hi % ps) % ps
     pages = ((hi - lo) // ps).astype(np.int64)
-    if np.any(lengths == 0):
-        raise InvalidArgument("zero-length block")
-    total = int(pages.sum())
     first = np.zeros(len(pages), dtype=np.int64)
     np.cumsum(pages[:-1], out=first[1:])
-    block_of = np.repeat(np.arange(len(pages), dtype=np.int64), pages)
-    addrs = lo[block_of] + (np.arange(total, dtype=np.int64) - first[block_of]).astype(np.uint64) * ps
-    # Contiguous runs (blocks of one region are adjacent): one pagemap read each.
+    total = int(pages.sum())
+    addrs = out[:total] if out is not None and len(out) >= total else np.empty(total, dtype=np.uint64)
+    # Blocks of one region are adjacent, so a batch is a few contiguous runs:
+    # each run's page addresses are one arange (no per-block or per-page work).
     runs: list[tuple[int, int, int]] = []
     if len(pages):
         breaks = np.flatnonzero(lo[1:] != hi[:-1]) + 1
         edges = np.concatenate(([0], breaks, [len(pages)]))
-        for a, b in zip(edges[:-1], edges[1:]):
-            runs.append((int(lo[a]), int(first[a]), int(first[b - 1] + pages[b - 1] - first[a])))
-    return PageLayout(addrs=addrs, block_of=block_of, pages=pages, runs=runs)
+        for a, b in zip(edges[:-1].tolist(), edges[1:].tolist()):
+            f = int(first[a])
+            n = int(first[b - 1] + pages[b - 1]) - f
+            run = addrs[f : f + n]
+            np.multiply(np.arange(n, dtype=np.uint64), ps, out=run)
+            run += lo[a]
+            runs.append((int(lo[a]), f, n))
+    return PageLayout(addrs=addrs, first=first, pages=pages, runs=runs)
 
 
 @dataclass
@@ -154,6 +170,15 @@ def _count_errors(status: np.ndarray, ignore: tuple[int, ...] = ()) -> dict[str,
     return {_errno_name(v): int(c) for v, c in zip(vals, counts) if int(v) not in ignore}
 
 
+def _locked(method):
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class Migrator:
     """Actuator for block placement. ``dry_run`` records instead of acting."""
 
@@ -171,37 +196,64 @@ class Migrator:
         self.page_size = page_size
         self.max_node = native.numa_max_node() if max_node is None else max_node
         self.record: list[dict] = []
+        # One operation at a time: the migrator's scratch buffers are shared,
+        # and two concurrent move_pages on one process only contend in the kernel.
+        self._lock = threading.Lock()
+        self._scratch: dict[str, np.ndarray] = {}
+
+    def _buf(self, name: str, n: int, dtype) -> np.ndarray:
+        """A reusable array of at least ``n`` items.
+
+        Fresh multi-MiB arrays cost a page fault per 4 KiB on first touch,
+        which at 64K+ pages per batch is a sizeable share of the syscall
+        time itself; reusing the buffers removes it.
+        """
+        buf = self._scratch.get(name)
+        if buf is None or len(buf) < n or buf.dtype != dtype:
+            buf = np.empty(max(n, 1024), dtype=dtype)
+            self._scratch[name] = buf
+        return buf[:n]
+
+    def _layout(self, starts, lengths) -> PageLayout:
+        starts = np.asarray(starts, dtype=np.uint64)
+        lengths_arr = np.broadcast_to(np.asarray(lengths, dtype=np.uint64), starts.shape)
+        ps = self.page_size
+        # Upper bound on pages, to size the scratch buffer without a first pass.
+        bound = int((lengths_arr // np.uint64(ps)).sum()) + 2 * len(starts)
+        return page_layout(starts, lengths_arr, ps, out=self._buf("addrs", bound, np.uint64))
 
     # -- queries -----------------------------------------------------------
 
     def _status(self, pid: int, addrs: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        status = np.empty(len(addrs), dtype=np.int32) if out is None else out
+        status = self._buf("status", len(addrs), np.int32) if out is None else out
         for i in range(0, len(addrs), self.batch_pages):
             native.move_pages(pid, addrs[i : i + self.batch_pages], None, status=status[i : i + self.batch_pages])
         return status
 
     def _pagemap(self, pid: int, layout: PageLayout) -> np.ndarray:
-        entries = np.empty(len(layout.addrs), dtype=np.uint64)
+        entries = self._buf("pagemap", len(layout.addrs), np.uint64)
         with Pagemap(pid, self.proc_root) as pm:
             for start, first, n in layout.runs:
                 entries[first : first + n] = pm.read(start, n, self.page_size)
         return entries
 
+    @_locked
     def residency(self, pid: int, starts: np.ndarray, lengths: np.ndarray | int) -> Residency:
         """Pages per node, swapped and never-touched pages, for each block."""
-        layout = page_layout(starts, lengths, self.page_size)
+        layout = self._layout(starts, lengths)
         nb = len(layout.pages)
         nn = self.max_node + 1
         status = self._status(pid, layout.addrs)
         pm = self._pagemap(pid, layout)
         on_node = status >= 0
-        node_pages = np.bincount(
-            layout.block_of[on_node] * nn + status[on_node], minlength=nb * nn
-        ).reshape(nb, nn)
+        node_pages = np.zeros((nb, nn), dtype=np.int64)
+        if nb:
+            for node in range(nn):  # a handful of nodes: one reduceat each
+                node_pages[:, node] = layout.per_block(status == node)
         swapped_page = ((pm & PM_SWAP) != 0) & ~on_node
         absent_page = (status == _ENOENT) & ~swapped_page
-        swapped = np.bincount(layout.block_of[swapped_page], minlength=nb)
-        absent = np.bincount(layout.block_of[absent_page], minlength=nb)
+        swapped = layout.per_block(swapped_page)
+        absent = layout.per_block(absent_page)
         other = ~on_node & (status != _ENOENT)
         errors = _count_errors(status[other])
         return Residency(node_pages, swapped, absent, errors, layout.pages)
@@ -218,6 +270,7 @@ class Migrator:
 
     # -- actions -----------------------------------------------------------
 
+    @_locked
     def move(self, pid: int, starts: np.ndarray, lengths: np.ndarray | int, node: int) -> MoveResult:
         """Migrate the present pages of the blocks to ``node`` (move_pages).
 
@@ -226,13 +279,13 @@ class Migrator:
         """
         if not 0 <= node <= self.max_node:
             raise InvalidArgument(f"unknown NUMA node {node} (this machine has nodes 0-{self.max_node})")
-        layout = page_layout(starts, lengths, self.page_size)
+        layout = self._layout(starts, lengths)
         t0 = time.monotonic()
         if self.dry_run:
             self.record.append({"op": "move_pages", "pid": pid, "pages": len(layout.addrs), "node": node})
             return MoveResult("move", f"node {node}", len(layout.addrs), 0, dry_run=True, page_size=self.page_size)
         self.check_mapped(pid, layout)
-        status = np.empty(len(layout.addrs), dtype=np.int32)
+        status = self._buf("status", len(layout.addrs), np.int32)
         for i in range(0, len(layout.addrs), self.batch_pages):
             native.move_pages(
                 pid, layout.addrs[i : i + self.batch_pages], node, status=status[i : i + self.batch_pages]
@@ -251,7 +304,7 @@ class Migrator:
         for _ in range(BUSY_RETRIES + 1):
             if not len(busy):
                 break
-            now = self._status(pid, np.ascontiguousarray(addrs[busy]))
+            now = native.move_pages(pid, np.ascontiguousarray(addrs[busy]), None)
             # Busy pages now on the node (the THP case) are done; a re-query
             # failure (page gone) replaces the busy status too.
             still = (now >= 0) & (now != node)
@@ -267,12 +320,11 @@ class Migrator:
         return status
 
     def _result(self, op: str, target: str, layout: PageLayout, status: np.ndarray, node: int, t0: float) -> MoveResult:
-        nb = len(layout.pages)
         done_page = status == node
         ok_page = done_page | (status == _ENOENT)
         bad_page = ~ok_page
-        block_ok = np.bincount(layout.block_of[bad_page], minlength=nb) == 0
-        block_unmovable = np.bincount(layout.block_of[status == _EBUSY], minlength=nb) > 0
+        block_ok = layout.per_block(bad_page) == 0
+        block_unmovable = layout.per_block(status == _EBUSY) > 0
         errors = _count_errors(status[bad_page & (status < 0)])
         wrong_node = bad_page & (status >= 0)
         if wrong_node.any():
@@ -288,9 +340,10 @@ class Migrator:
             np.array([r[2] * self.page_size for r in layout.runs], dtype=np.uint64),
         )
 
+    @_locked
     def pageout(self, pid: int, starts: np.ndarray, lengths: np.ndarray | int) -> MoveResult:
         """Push the blocks to swap with process_madvise(MADV_PAGEOUT)."""
-        layout = page_layout(starts, lengths, self.page_size)
+        layout = self._layout(starts, lengths)
         t0 = time.monotonic()
         if self.dry_run:
             self.record.append({"op": "pageout", "pid": pid, "pages": len(layout.addrs)})
@@ -306,7 +359,6 @@ class Migrator:
         return self._swap_result("pageout", layout, pid, t0)
 
     def _swap_result(self, op: str, layout: PageLayout, pid: int, t0: float) -> MoveResult:
-        nb = len(layout.pages)
         pm = self._pagemap(pid, layout)
         swapped = (pm & PM_SWAP) != 0
         present = (pm & PM_PRESENT) != 0
@@ -314,12 +366,13 @@ class Migrator:
         # process, pinned, or there is no swap space.
         stuck = present & ~swapped
         errors = {"NOT_PAGED_OUT": int(stuck.sum())} if stuck.any() else {}
-        block_ok = np.bincount(layout.block_of[stuck], minlength=nb) == 0
+        block_ok = layout.per_block(stuck) == 0
         return MoveResult(
             op, "swap", len(layout.addrs), int(swapped.sum()), errors, block_ok, ~block_ok,
             time.monotonic() - t0, page_size=self.page_size,
         )
 
+    @_locked
     def pagein(self, pid: int, starts: np.ndarray, lengths: np.ndarray | int, node: int) -> MoveResult:
         """Bring swapped pages back and place the blocks on ``node``.
 
@@ -330,7 +383,7 @@ class Migrator:
         """
         if not 0 <= node <= self.max_node:
             raise InvalidArgument(f"unknown NUMA node {node} (this machine has nodes 0-{self.max_node})")
-        layout = page_layout(starts, lengths, self.page_size)
+        layout = self._layout(starts, lengths)
         t0 = time.monotonic()
         if self.dry_run:
             self.record.append({"op": "pagein", "pid": pid, "pages": len(layout.addrs), "node": node})
@@ -346,7 +399,7 @@ class Migrator:
                 finally:
                     os.close(pidfd)
             native.touch_remote(pid, np.ascontiguousarray(layout.addrs[swapped]))
-        status = np.empty(len(layout.addrs), dtype=np.int32)
+        status = self._buf("status", len(layout.addrs), np.int32)
         for i in range(0, len(layout.addrs), self.batch_pages):
             native.move_pages(
                 pid, layout.addrs[i : i + self.batch_pages], node, status=status[i : i + self.batch_pages]

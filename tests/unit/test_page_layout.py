@@ -14,7 +14,8 @@ def test_contiguous_blocks_form_one_run():
     lay = page_layout(starts, 0x2000, P)
     assert lay.pages.tolist() == [2, 2, 2]
     assert lay.addrs.tolist() == [0x10000 + i * P for i in range(6)]
-    assert lay.block_of.tolist() == [0, 0, 1, 1, 2, 2]
+    assert lay.first.tolist() == [0, 2, 4]
+    assert lay.per_block(np.array([1, 0, 1, 1, 0, 0], dtype=bool)).tolist() == [1, 2, 0]
     assert lay.runs == [(0x10000, 0, 6)]
 
 
