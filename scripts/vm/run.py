@@ -1,0 +1,351 @@
+#!/usr/bin/env python3
+"""Boot one QEMU guest with kvtier's memory topology and run a command in it.
+
+    scripts/vm/run.py [options] -- COMMAND [ARG...]
+
+The guest (see scripts/vm/init and guest_setup.sh):
+  node 0   1 GiB RAM + both CPUs (DRAM tier)
+  node 1   1 GiB CPU-less RAM, slower per HMAT (a lower memory tier)
+  node 2   256 MiB CXL type-3 volatile memory, onlined through a CXL region
+           and dax kmem as a CPU-less node in its own tier
+  swap     a 1 GiB NVMe namespace (sparse file on the host)
+It sees the host's root filesystem read-only with a tmpfs overlay (so the
+repository, its .venv and the host's Python are at the same paths) and a
+read-write share at /mnt/kvtier ($KVTIER_SHARE) to bring files back.
+COMMAND runs as root in the guest, in the current directory, with
+KVTIER_IN_VM=1; its exit status becomes run.py's.
+
+run.py's own failures get statuses a command rarely uses:
+  124  the guest did not finish within --timeout (QEMU killed)
+  125  the guest crashed or QEMU failed before reporting an exit status
+  126  guest set-up failed (topology, swap); the command never ran
+and always writes <share>/result.json:
+  {"status": "ok"|"timeout"|"crash"|"setup_failed"|"unavailable",
+   "exit_code", "boot_seconds", "run_seconds", "console_log", "reason"}.
+The guest console goes to <share>/console.log (or --log); on any failure its
+tail is printed to stderr.
+
+KVM cannot run a stock kernel on these (nested) machines, so the guest always
+runs under TCG, which is why every wait here is bounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+
+# Guest sizes. The host has 24 GiB and runs other work; the guest takes
+# 2.25 GiB of RAM plus QEMU's own overhead.
+NODE0_MIB = 1024
+NODE1_MIB = 1024
+CXL_MIB = 256  # a CXL region is a multiple of 256 MiB per interleave way
+SWAP_MIB = 1024
+CPUS = 2
+
+# HMAT figures (ns, bytes/s) that make node 1 a slower tier than node 0.
+# The kernel only orders tiers by them; their absolute values do not matter.
+HMAT = {0: (80, "20G"), 1: (200, "5G")}
+
+SHARE_TAG = "kvtshare"
+GUEST_SHARE = "/mnt/kvtier"
+EXIT_RE = re.compile(r"KVTIER_EXIT=(\d+)")
+SETUP_DONE = "KVTIER_SETUP_DONE"
+SETUP_FAILED = "KVTIER_SETUP_FAILED"
+INIT_FAILED = "KVTIER_INIT_FAILED"
+
+DEFAULT_TIMEOUT = 600
+
+
+class Unavailable(Exception):
+    """The host cannot run the guest (no QEMU, no prepared kernel)."""
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("KVTIER_VM_CACHE")
+    if env:
+        return Path(env)
+    system = Path("/var/cache/kvtier-vm")
+    if (system / "current").exists():
+        return system
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvtier-vm"
+
+
+@dataclass
+class GuestImage:
+    kver: str
+    kernel: Path
+    initrd: Path
+    modules: Path
+
+    @classmethod
+    def find(cls) -> "GuestImage":
+        """The kernel and initramfs scripts/vm/prepare.sh left in the cache."""
+        cache = cache_dir()
+        current = cache / "current"
+        if not current.exists():
+            raise Unavailable(f"no guest kernel in {cache} (run scripts/vm/prepare.sh)")
+        kver, initrd = current.read_text().split()[:2]
+        img = cls(
+            kver=kver,
+            kernel=cache / kver / "boot" / f"vmlinuz-{kver}",
+            initrd=Path(initrd),
+            modules=cache / kver / "lib" / "modules" / kver,
+        )
+        for p in (img.kernel, img.initrd, img.modules / "modules.dep"):
+            if not p.exists():
+                raise Unavailable(f"guest image incomplete: {p} missing (run scripts/vm/prepare.sh)")
+        return img
+
+
+def find_qemu() -> str:
+    qemu = shutil.which("qemu-system-x86_64")
+    if qemu is None:
+        raise Unavailable("qemu-system-x86_64 not installed (run scripts/setup.sh)")
+    out = subprocess.run([qemu, "--version"], capture_output=True, text=True).stdout
+    m = re.search(r"version (\d+)\.", out)
+    # cxl-type3's volatile-memdev arrived after Debian 12's QEMU 7.2.
+    if not m or int(m.group(1)) < 8:
+        raise Unavailable(f"{qemu} is too old for cxl-type3 volatile memory: {out.strip()}")
+    return qemu
+
+
+def topology_args() -> list[str]:
+    """q35 with two NUMA nodes, HMAT, one CXL type-3 device and an NVMe drive."""
+    args = [
+        "-M", "q35,cxl=on,hmat=on",
+        # hypervisor=off: with the hypervisor CPUID bit set the CXL region
+        # commit fails with ENXIO in this kernel/QEMU pair.
+        "-cpu", "max,hypervisor=off",
+        "-smp", str(CPUS),
+        "-m", f"{NODE0_MIB + NODE1_MIB}M",
+        "-object", f"memory-backend-ram,id=m0,size={NODE0_MIB}M",
+        "-object", f"memory-backend-ram,id=m1,size={NODE1_MIB}M",
+        "-numa", f"node,nodeid=0,cpus=0-{CPUS - 1},memdev=m0",
+        "-numa", "node,nodeid=1,memdev=m1,initiator=0",
+        "-numa", "dist,src=0,dst=1,val=20",
+    ]
+    for target, (lat, bw) in HMAT.items():
+        args += [
+            "-numa", f"hmat-lb,initiator=0,target={target},hierarchy=memory,data-type=access-latency,latency={lat}",
+            "-numa", f"hmat-lb,initiator=0,target={target},hierarchy=memory,data-type=access-bandwidth,bandwidth={bw}",
+        ]
+    args += [
+        "-object", f"memory-backend-ram,id=cxlmem0,size={CXL_MIB}M",
+        "-device", "pxb-cxl,bus_nr=12,bus=pcie.0,id=cxl.1",
+        "-device", "cxl-rp,port=0,bus=cxl.1,id=cxlrp0,chassis=0,slot=2",
+        "-device", "cxl-type3,bus=cxlrp0,volatile-memdev=cxlmem0,id=cxl-vmem0",
+        "-M", "cxl-fmw.0.targets.0=cxl.1,cxl-fmw.0.size=4G",
+    ]
+    return args
+
+
+@dataclass
+class GuestResult:
+    status: str
+    exit_code: int
+    boot_seconds: float | None = None
+    run_seconds: float | None = None
+    console_log: str = ""
+    reason: str = ""
+    tail: list[str] = field(default_factory=list)
+
+    def process_status(self) -> int:
+        return {"ok": self.exit_code, "timeout": 124, "setup_failed": 126}.get(self.status, 125)
+
+
+def write_run_sh(share: Path, img: GuestImage, cmd: list[str], cwd: str, env: dict[str, str]) -> None:
+    """The job /init runs chrooted in the guest: set-up, then the command."""
+    venv = REPO / ".venv"
+    base = {
+        "PATH": f"{venv}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "VIRTUAL_ENV": str(venv),
+        "HOME": "/root",
+        "LANG": "C.UTF-8",
+        "TERM": "dumb",
+        "KVTIER_IN_VM": "1",
+        "KVTIER_SHARE": GUEST_SHARE,
+        "KVTIER_VM_KVER": img.kver,
+        "KVTIER_VM_MODULES": str(img.modules),
+        "KVTIER_REPO": str(REPO),
+        # The root is a read-only share under a tmpfs: .pyc writes only waste guest RAM.
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
+    base.update(env)
+    lines = ["#!/bin/sh", "# written by scripts/vm/run.py"]
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in base.items()]
+    lines.append(f"cd {shlex.quote(cwd)} || exit 126")
+    lines.append(f"exec /bin/bash {shlex.quote(str(HERE / 'guest_setup.sh'))} {shlex.join(cmd)}")
+    (share / "run.sh").write_text("\n".join(lines) + "\n")
+
+
+def boot(
+    cmd: list[str],
+    share: Path,
+    timeout: float = DEFAULT_TIMEOUT,
+    log: Path | None = None,
+    cwd: str | None = None,
+    env: dict[str, str] | None = None,
+    echo: bool = False,
+    systemd: bool = False,
+    out=None,
+) -> GuestResult:
+    """Boot the guest, run ``cmd``, return how it went. Never raises for guest failures.
+
+    ``out``: a text stream that receives the command's console output
+    (``echo`` sends the whole console to stderr instead).
+    """
+    log = log or share / "console.log"
+    try:
+        qemu = find_qemu()
+        img = GuestImage.find()
+    except Unavailable as e:
+        return GuestResult("unavailable", 125, console_log=str(log), reason=str(e))
+    if systemd:
+        # The systemd-as-PID-1 mode (vmsystemd tests) will swap the initramfs
+        # /init for the host's systemd over the same overlay; not built yet.
+        return GuestResult("unavailable", 125, console_log=str(log), reason="--systemd mode is not implemented yet")
+
+    share.mkdir(parents=True, exist_ok=True)
+    for stale in ("exit_status", "result.json"):
+        (share / stale).unlink(missing_ok=True)
+    write_run_sh(share, img, cmd, cwd or os.getcwd(), env or {})
+
+    with tempfile.TemporaryDirectory(prefix="kvtier-vm-") as tmp:
+        disk = Path(tmp) / "swap.img"
+        with open(disk, "wb") as f:
+            f.truncate(SWAP_MIB << 20)  # sparse: costs nothing until the guest swaps
+        argv = [
+            qemu, "-accel", "tcg,thread=multi",
+            *topology_args(),
+            "-drive", f"file={disk},if=none,id=nvm0,format=raw,cache=unsafe",
+            "-device", "nvme,serial=kvtier-swap0,drive=nvm0,bus=pcie.0",
+            # -virtfs would let QEMU pick a bus, and it picks the CXL host
+            # bridge, which only takes bridges: place the 9p devices by hand.
+            "-fsdev", "local,id=fshost,path=/,security_model=none,readonly=on,multidevs=remap",
+            "-device", "virtio-9p-pci,fsdev=fshost,mount_tag=hostroot,bus=pcie.0",
+            "-fsdev", f"local,id=fsshare,path={share},security_model=none,multidevs=remap",
+            "-device", f"virtio-9p-pci,fsdev=fsshare,mount_tag={SHARE_TAG},bus=pcie.0",
+            "-kernel", str(img.kernel),
+            "-initrd", str(img.initrd),
+            "-append", " ".join([
+                "console=ttyS0", "panic=-1", "oops=panic",
+                # CXL memory onlined by dax kmem must be movable so it can be
+                # emptied again and so it never hosts kernel allocations.
+                "memhp_default_state=online_movable",
+                "loglevel=4", "no_timer_check", "tsc=reliable",
+            ]),
+            "-nodefaults", "-display", "none", "-serial", "stdio", "-monitor", "none",
+            "-no-reboot",
+        ]
+        return _supervise(argv, log, timeout, echo, out)
+
+
+def _supervise(argv: list[str], log: Path, timeout: float, echo: bool, out) -> GuestResult:
+    t0 = time.monotonic()
+    marks: dict[str, float] = {}
+    exit_code: list[int] = []
+    with open(log, "w", errors="replace") as logf:
+        logf.write("# " + shlex.join(argv) + "\n")
+        logf.flush()
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+        def pump() -> None:
+            assert proc.stdout is not None
+            for raw in proc.stdout:
+                line = raw.decode("utf-8", "replace").replace("\r", "")
+                logf.write(line)
+                logf.flush()
+                m = EXIT_RE.search(line)
+                if m and not exit_code:
+                    exit_code.append(int(m.group(1)))
+                    marks["exit"] = time.monotonic()
+                if echo:
+                    sys.stderr.write(line)
+                elif SETUP_DONE in marks and not exit_code and out is not None:
+                    # The command's own output (plus any kernel warning).
+                    out.write(line)
+                    out.flush()
+                if SETUP_DONE in line and SETUP_DONE not in marks:
+                    marks[SETUP_DONE] = time.monotonic()
+                for key in (SETUP_FAILED, INIT_FAILED):
+                    if key in line and key not in marks:
+                        marks[key] = time.monotonic()
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        try:
+            proc.wait(timeout=timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            os.killpg(proc.pid, 9)
+            proc.wait()
+        reader.join(timeout=5)
+        logf.write(f"\n# qemu exit {proc.returncode}, {time.monotonic() - t0:.1f}s{' (timeout)' if timed_out else ''}\n")
+
+    tail = log.read_text(errors="replace").splitlines()[-60:]
+    boot_s = marks[SETUP_DONE] - t0 if SETUP_DONE in marks else None
+    run_s = marks["exit"] - marks[SETUP_DONE] if SETUP_DONE in marks and "exit" in marks else None
+    res = GuestResult("ok", exit_code[0] if exit_code else 125, boot_s, run_s, str(log), tail=tail)
+    if timed_out:
+        res.status, res.reason = "timeout", f"guest did not finish within {timeout:.0f}s"
+    elif not exit_code:
+        res.status, res.reason = "crash", f"guest ended without reporting an exit status (qemu exit {proc.returncode})"
+    elif SETUP_FAILED in marks or INIT_FAILED in marks:
+        res.status = "setup_failed"
+        res.reason = next((l for l in tail if SETUP_FAILED in l or INIT_FAILED in l), "guest set-up failed")
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--share", type=Path, help="read-write share (default: a new temp dir, kept)")
+    ap.add_argument("--log", type=Path, help="guest console log (default: SHARE/console.log)")
+    ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds for boot + command")
+    ap.add_argument("--cwd", help="directory the command runs in (default: the current one)")
+    ap.add_argument("--env", action="append", default=[], metavar="K=V", help="extra guest environment")
+    ap.add_argument("-v", "--verbose", action="store_true", help="echo the guest console to stderr")
+    ap.add_argument("--systemd", action="store_true", help="boot systemd as PID 1 (not implemented yet)")
+    ap.add_argument("cmd", nargs=argparse.REMAINDER)
+    a = ap.parse_args(argv)
+    cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
+    if not cmd:
+        ap.error("no command given")
+    share = a.share or Path(tempfile.mkdtemp(prefix="kvtier-share-"))
+    env = dict(kv.split("=", 1) for kv in a.env)
+    res = boot(cmd, share.resolve(), a.timeout, a.log, a.cwd, env, a.verbose, a.systemd, sys.stdout)
+    (share / "result.json").write_text(json.dumps({k: v for k, v in asdict(res).items() if k != "tail"}, indent=1))
+    timing = ""
+    if res.boot_seconds is not None:
+        timing = f"boot {res.boot_seconds:.1f}s"
+        if res.run_seconds is not None:
+            timing += f", command {res.run_seconds:.1f}s"
+    print(f"run.py: {res.status}, exit {res.exit_code}; {timing}; share {share}", file=sys.stderr)
+    if res.status != "ok" or res.exit_code != 0:
+        if res.reason:
+            print(f"run.py: {res.reason}", file=sys.stderr)
+        if res.tail and not a.verbose:
+            print(f"--- last lines of {res.console_log} ---", file=sys.stderr)
+            print("\n".join(res.tail), file=sys.stderr)
+    return res.process_status()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
