@@ -498,20 +498,25 @@ def _order_key(info: NodeInfo) -> tuple:
 
 
 _KEY_SOURCES = (SRC_MEMTIER, SRC_HMAT, SRC_SLIT, SRC_KIND)
+_KEY_FORMATS = {
+    SRC_MEMTIER: "memory_tier {cur} > {prev}",
+    SRC_HMAT: "HMAT read latency {cur}ns > {prev}ns",
+    SRC_SLIT: "SLIT distance {cur} > {prev}",
+}
+_KIND_DRAM_RANK = -1  # DRAM's place in the kind component, ahead of far (0) and cxl (1)
 
 
-def _explain(prev: tuple, cur: tuple, group: list[NodeInfo]) -> tuple[str, str]:
-    """Which order-key component separates ``cur`` from ``prev``, as
-    (source, human note)."""
+def _explain(prev: tuple, cur: tuple) -> tuple[str, str]:
+    """Which order-key component puts ``cur`` after ``prev``: (source, note)."""
     for src, a, b in zip(_KEY_SOURCES, prev, cur):
-        if a != b:
-            fmt = lambda v: "unknown" if v == math.inf else str(v)  # noqa: E731
-            if src == SRC_KIND:
-                return src, "cxl after plain far memory (no measurement separates them)"
-            unit = {SRC_HMAT: "ns read latency", SRC_SLIT: "SLIT distance"}.get(src, "")
-            label = {SRC_MEMTIER: "memory_tier"}.get(src, "")
-            return src, f"{label}{' ' if label else ''}{fmt(b)}{' ' + unit if unit else ''} > {fmt(a)}"
-    return SRC_NODE, f"node {group[0].node} after the tier before (no measurement separates them)"
+        if a == b:
+            continue
+        if src == SRC_KIND:
+            what = "CPU-less memory after DRAM" if a == _KIND_DRAM_RANK else "CXL after plain far memory"
+            return src, f"{what} (no measurement separates them)"
+        shown = ["unknown" if v == math.inf else v for v in (a, b)]
+        return src, _KEY_FORMATS[src].format(prev=shown[0], cur=shown[1])
+    raise AssertionError("tiers are grouped by key, so neighbours differ")
 
 
 def _group_tiers(nodes: Mapping[int, NodeInfo]) -> list[tuple[str, list[NodeInfo], str, str]]:
@@ -526,10 +531,10 @@ def _group_tiers(nodes: Mapping[int, NodeInfo]) -> list[tuple[str, list[NodeInfo
     if dram:
         out.append((KIND_DRAM, sorted(dram, key=lambda i: i.node), SRC_CPUS, "nodes with CPUs"))
         # DRAM's own key, so the first far tier says what makes it slower.
-        prev = min(_order_key(n)[:3] for n in dram) + (-1,)
-    for key in sorted(groups, key=lambda kk: (kk, min(n.node for n in groups[kk]))):
+        prev = min(_order_key(n)[:3] for n in dram) + (_KIND_DRAM_RANK,)
+    for key in sorted(groups):
         members = groups[key]
-        src, note = _explain(prev, key, members) if prev is not None else (SRC_NODE, "fastest memory found")
+        src, note = _explain(prev, key) if prev is not None else (SRC_NODE, "fastest memory found (no DRAM node)")
         out.append((members[0].kind, members, src, note))
         prev = key
     return out
@@ -731,38 +736,9 @@ def discover(
         warnings.append("no memory node has CPUs: tier 0 is not DRAM")
 
     topo = Topology([], nodes, [], {}, sys_root, proc_root, warnings)
-
     groups = _override_groups(ov["tiers"], nodes) if "tiers" in ov else _group_tiers(nodes)
-    counters: dict[str, int] = {}
-    for i, (kind, members, src, note) in enumerate(groups):
-        spec = ov["tiers"][i] if "tiers" in ov else {}
-        if "name" in spec:
-            name = spec["name"]
-        elif kind == KIND_DRAM and counters.get(kind, 0) == 0:
-            name = KIND_DRAM
-            counters[kind] = 1
-        else:
-            name = f"{kind}{counters.get(kind, 0)}"
-            counters[kind] = counters.get(kind, 0) + 1
-        tier = Tier(i, name, kind, tuple(m.node for m in members), 0, 0, 0, order_source=src,
-                    capacity_limit=spec.get("capacity"))
-        tier.notes.append(note)
-        for m in members:
-            if m.cxl:
-                tier.notes.append(f"cxl: {m.cxl}")
-        if tier.capacity_limit is not None:
-            tier.notes.append(f"capacity capped at {_human(tier.capacity_limit)}")
-        _fill_perf(tier, members)
-        topo.tiers.append(tier)
-        for m in members:
-            topo.node_to_tier[m.node] = i
-    topo.unassigned_nodes = tuple(
-        sorted(n for n, x in nodes.items() if x.kind != KIND_CPU_ONLY and n not in topo.node_to_tier)
-    )
-    if topo.unassigned_nodes:
-        warnings.append(f"memory nodes in no tier (config): {list(topo.unassigned_nodes)}")
+    _add_memory_tiers(topo, groups, ov.get("tiers"))
 
-    swap_ov = ov.get("swap", {"enabled": True})
     real = _is_real_root(sys_root, proc_root)
     meta = {} if real else _fixture_meta(sys_root)
     swaps = read_swaps(proc_root)
@@ -771,28 +747,62 @@ def discover(
     # NVMe first, then SSD before spinning disk, then the kernel's own order.
     swaps.sort(key=lambda s: (not s.nvme, s.rotational is not False, -s.priority))
     topo.swap_devices = swaps
-    if swaps and swap_ov["enabled"]:
-        t = Tier(len(topo.tiers), swap_ov.get("name", KIND_SWAP), KIND_SWAP, (), 0, 0, 0,
-                 order_source=SRC_SWAP, swap_devices=tuple(swaps), nvme=any(s.nvme for s in swaps),
-                 capacity_limit=swap_ov.get("capacity"))
-        t.notes.append("swap is always last")
-        for s in swaps:
-            t.notes.append(_swap_note(s))
-        if t.nvme:
-            # The kernel, not kvtier, picks the swap device: highest priority first.
-            best_nvme = max(s.priority for s in swaps if s.nvme)
-            slower = [s.path for s in swaps if not s.nvme and s.priority > best_nvme]
-            if slower:
-                warnings.append(f"swap {', '.join(slower)} has a higher priority than the NVMe swap: "
-                                "the kernel pages out to it first")
-        if t.capacity_limit is not None:
-            t.notes.append(f"capacity capped at {_human(t.capacity_limit)}")
-        topo.tiers.append(t)
-    elif not swaps:
-        warnings.append("no active swap device (/proc/swaps): no swap tier")
+    _add_swap_tier(topo, ov.get("swap", {"enabled": True}))
     for t in topo.tiers:
         _fill_capacity(t, topo)
     return topo
+
+
+def _add_memory_tiers(
+    topo: Topology, groups: list[tuple[str, list[NodeInfo], str, str]], specs: list[dict[str, Any]] | None
+) -> None:
+    counters: dict[str, int] = {}
+    for i, (kind, members, src, note) in enumerate(groups):
+        spec = specs[i] if specs else {}
+        n = counters.get(kind, 0)
+        counters[kind] = n + 1
+        # "dram" for the first DRAM tier, then far0, cxl0, far1... by kind.
+        name = spec.get("name") or (KIND_DRAM if kind == KIND_DRAM and n == 0 else f"{kind}{n}")
+        tier = Tier(i, name, kind, tuple(m.node for m in members), 0, 0, 0, order_source=src,
+                    capacity_limit=spec.get("capacity"))
+        tier.notes.append(note)
+        tier.notes.extend(f"cxl: {m.cxl}" for m in members if m.cxl)
+        if tier.capacity_limit is not None:
+            tier.notes.append(f"capacity capped at {_human(tier.capacity_limit)}")
+        _fill_perf(tier, members)
+        topo.tiers.append(tier)
+        topo.node_to_tier.update((m.node, i) for m in members)
+    topo.unassigned_nodes = tuple(
+        sorted(n for n, x in topo.nodes.items() if x.kind != KIND_CPU_ONLY and n not in topo.node_to_tier)
+    )
+    if topo.unassigned_nodes:
+        topo.warnings.append(f"memory nodes in no tier (config): {list(topo.unassigned_nodes)}")
+
+
+def _add_swap_tier(topo: Topology, spec: Mapping[str, Any]) -> None:
+    swaps = topo.swap_devices
+    if spec.get("name") in {t.name for t in topo.tiers}:
+        raise ConfigError(f"swap.name: {spec['name']!r} is already a memory tier's name")
+    if not swaps:
+        topo.warnings.append("no active swap device (/proc/swaps): no swap tier")
+        return
+    if not spec["enabled"]:
+        return
+    t = Tier(len(topo.tiers), spec.get("name", KIND_SWAP), KIND_SWAP, (), 0, 0, 0,
+             order_source=SRC_SWAP, swap_devices=tuple(swaps), nvme=any(s.nvme for s in swaps),
+             capacity_limit=spec.get("capacity"))
+    t.notes.append("swap is always last")
+    t.notes.extend(_swap_note(s) for s in swaps)
+    if t.nvme:
+        # The kernel, not kvtier, picks the swap device: highest priority first.
+        best_nvme = max(s.priority for s in swaps if s.nvme)
+        slower = [s.path for s in swaps if not s.nvme and s.priority > best_nvme]
+        if slower:
+            topo.warnings.append(f"swap {', '.join(slower)} has a higher priority than the NVMe swap: "
+                                 "the kernel pages out to it first")
+    if t.capacity_limit is not None:
+        t.notes.append(f"capacity capped at {_human(t.capacity_limit)}")
+    topo.tiers.append(t)
 
 
 def _swap_note(s: SwapDevice) -> str:

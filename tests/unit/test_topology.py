@@ -8,7 +8,6 @@ classification, ordering, override and swap rules.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -220,6 +219,19 @@ def test_kind_breaks_a_tie_and_equal_nodes_share_a_tier(tree: Path):
     assert t.tiers[1].total == 2 * GIB and len(t.tiers) == 3
 
 
+def test_guest_without_hmat_all_in_dram_tier(tree: Path):
+    # A QEMU guest without HMAT puts every node in the default memory tier;
+    # only SLIT tells the far nodes apart, and equal SLIT falls back to kind.
+    set_memtiers(tree, {4: "0-2"})
+    drop_hmat(tree)
+    assert summary(discover(tree))[1:3] == [("far0", "far", (1,), "slit"), ("cxl0", "cxl", (2,), "slit")]
+    write(node_dir(tree, 0) / "distance", "10 10 10")
+    t = discover(tree)
+    assert summary(t)[1:3] == [("far0", "far", (1,), "kind"), ("cxl0", "cxl", (2,), "kind")]
+    assert t.tiers[1].notes[0].startswith("CPU-less memory after DRAM")
+    assert t.tiers[2].notes[0].startswith("CXL after plain far memory")
+
+
 def test_cxl_by_region_range_without_dax(tree: Path):
     # Firmware-onlined CXL memory: no dax device, but node2's memory blocks
     # (memory82.. at 128 MiB each = 0x290000000) lie inside region0.
@@ -421,6 +433,7 @@ def test_override_shape_errors_name_the_key(overrides, key):
         ({"tiers": [D, {"name": "x", "nodes": [7]}]}, "tiers[1].nodes", "node 7"),
         ({"tiers": [{"name": "x", "nodes": [1]}]}, "tiers[0].kind", "must be dram"),
         ({"tiers": [D, {"name": "x", "nodes": [1, 2]}]}, "tiers[1].kind", "cxl, far"),
+        ({"swap": {"name": "cxl0"}}, "swap.name", "already a memory tier"),
     ],
 )
 def test_override_errors_against_discovered_nodes(overrides, key, words):
