@@ -129,13 +129,22 @@ class Capture:
     def block(self, disk: str) -> None:
         real = self.copy_entry(os.path.join(k.BLOCK_DIR, disk), (k.BLOCK_DEV, k.BLOCK_SIZE, k.BLOCK_ROTATIONAL))
         self.copy_link(os.path.join(real, k.BLOCK_DEVICE_LINK))
+        self.dev_link(real)
         for entry in self.listdir(real):
             sub = os.path.join(real, entry)
             if os.path.exists(os.path.join(self.src_sys, sub, k.BLOCK_PARTITION)):
                 for f in (k.BLOCK_PARTITION, k.BLOCK_DEV, k.BLOCK_SIZE):
                     self.copy_file(os.path.join(sub, f))
+                self.dev_link(sub)
         for slave in self.listdir(os.path.join(real, k.BLOCK_SLAVES)):
             self.copy_link(os.path.join(real, k.BLOCK_SLAVES, slave))
+
+    def dev_link(self, block_dir: str) -> None:
+        """The /sys/dev/block/MAJ:MIN link of a disk or partition: how a swap
+        file's st_dev finds its device."""
+        majmin = k.read_text(os.path.join(self.src_sys, block_dir, k.BLOCK_DEV))
+        if majmin:
+            self.copy_link(os.path.join(k.DEV_BLOCK_DIR, majmin))
 
     def blocks_and_swaps(self) -> dict[str, str]:
         """Copy /proc/swaps and the block devices; return swap file -> MAJ:MIN."""
@@ -160,10 +169,18 @@ class Capture:
         return swap_files
 
 
-def capture(dest: str, src_sys: str = "/sys", src_proc: str = "/proc") -> dict:
+def _fresh(dest: str) -> None:
+    """Empty ``dest`` for a new capture, refusing to delete a directory that
+    is not a fixture tree (a mistyped path must not cost anyone their files)."""
     if os.path.exists(dest):
+        if os.listdir(dest) and not os.path.exists(os.path.join(dest, k.FIXTURE_META)):
+            raise SystemExit(f"{dest} exists and is not a fixture tree (no {k.FIXTURE_META}); not touching it")
         shutil.rmtree(dest)
     os.makedirs(dest)
+
+
+def capture(dest: str, src_sys: str = "/sys", src_proc: str = "/proc") -> dict:
+    _fresh(dest)
     c = Capture(src_sys, src_proc, dest)
     c.nodes()
     c.memory_tiers()
@@ -172,7 +189,7 @@ def capture(dest: str, src_sys: str = "/sys", src_proc: str = "/proc") -> dict:
     meta = {
         "synthetic": False,
         "description": f"captured by scripts/capture_fixtures.py from {src_sys} and {src_proc}",
-        "kernel": platform.release(),
+        "kernel": platform.release() if os.path.realpath(src_sys) == "/sys" else None,
         "captured_at": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         # discover() cannot stat a swap file inside a fixture; this is its st_dev.
         "swap_files": swap_files,
@@ -230,9 +247,8 @@ def build_synthetic_cxl(dest: str) -> None:
     tier, swap on nvme0n1. File names and formats follow a 6.12 kernel; the
     numbers are invented but consistent (memory tiers follow the kernel's
     abstract-distance formula from the HMAT values)."""
-    if os.path.exists(dest):
-        shutil.rmtree(dest)
-    s = os.path.join("sys")
+    _fresh(dest)
+    s = "sys"
     node = os.path.join(s, k.NODE_DIR)
     _write(dest, os.path.join(node, k.NODE_ONLINE), "0-2")
     _write(dest, os.path.join(node, k.NODE_POSSIBLE), "0-2")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ from kvtier.errors import ConfigError, InvalidArgument
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 TREES = sorted(d for d in FIXTURES.iterdir() if (d / "sys" / sysfs.NODE_DIR).is_dir())
 SYNTH = FIXTURES / "synthetic-cxl"
+CAPTURE = Path(__file__).resolve().parent.parent.parent / "scripts" / "capture_fixtures.py"
 HOST = FIXTURES / "host-1node"
 GIB = 1 << 30
 
@@ -526,3 +529,36 @@ def test_read_int_hex_and_errors(tmp_path: Path):
 def test_parse_swaps_escapes():
     text = "Filename\tType\tSize\tUsed\tPriority\n/a\\040b\\134c  file  8  4  -2\n/dev/zram0 partition 16 0 100\n"
     assert sysfs.parse_swaps(text) == [("/a b\\c", "file", 8192, 4096, -2), ("/dev/zram0", "partition", 16384, 0, 100)]
+
+
+# ---------------------------------------------------------------------------
+# the capture script
+
+
+@pytest.mark.parametrize("tree_dir", TREES, ids=lambda d: d.name)
+def test_capture_round_trip(tree_dir: Path, tmp_path: Path):
+    """Capturing a fixture tree as if it were a machine reproduces what
+    discovery sees (swap-file st_dev aside: a fixture's swap files cannot
+    be stat()ed, so the metadata is carried over by hand)."""
+    dest = tmp_path / "copy"
+    subprocess.run(
+        [sys.executable, str(CAPTURE), str(dest), "--sys-root", str(tree_dir / "sys"),
+         "--proc-root", str(tree_dir / "proc")],
+        check=True, capture_output=True,
+    )
+    meta = json.loads((dest / sysfs.FIXTURE_META).read_text())
+    assert meta["synthetic"] is False and meta["kernel"] is None
+    meta["swap_files"] = json.loads((tree_dir / sysfs.FIXTURE_META).read_text())["swap_files"]
+    (dest / sysfs.FIXTURE_META).write_text(json.dumps(meta))
+    a, b = discover(tree_dir).to_dict(), discover(dest).to_dict()
+    for d in (a, b):
+        del d["sys_root"], d["proc_root"]
+    assert a == b
+
+
+def test_capture_refuses_to_clobber_a_non_fixture_dir(tmp_path: Path):
+    (tmp_path / "precious").write_text("keep me")
+    r = subprocess.run([sys.executable, str(CAPTURE), str(tmp_path), "--sys-root", str(SYNTH / "sys"),
+                        "--proc-root", str(SYNTH / "proc")], capture_output=True, text=True)
+    assert r.returncode != 0 and "not a fixture tree" in r.stderr
+    assert (tmp_path / "precious").read_text() == "keep me"
