@@ -1,0 +1,526 @@
+"""Prometheus metrics, pulled from the daemon's state at scrape time.
+
+Nothing here keeps its own counters: ``Collector.collect`` reads
+``DaemonStats`` (the counters), the ``Registry`` (regions, tenants), the
+``BlockTable`` (where every block is and how hot it is) and the
+``Topology`` (tier capacities) and yields fresh metric families on every
+scrape, in the manner of prometheus/client_python's custom collectors. So a
+metric can never drift from the state ``kvtierctl status`` reports, and the
+daemon's hot path pays nothing for metrics it is not asked for.
+
+The exporter serves its own ``CollectorRegistry`` (never the process-global
+one) on a loopback address by default: block placement of other tenants is
+not something to publish on every interface.
+
+Threading: the HTTP server answers on its own thread while the event loop
+mutates the BlockTable. A scrape therefore copies the few columns it needs
+once (``_columns``) and computes everything from that copy; a region removed
+mid-copy can at worst make one scrape's per-region numbers stale, never
+raise. Counters in DaemonStats are read without locks (see stats.py).
+
+docs/metrics.md lists every metric; tests/unit/test_metrics_unit.py keeps
+that list and ``METRICS`` equal.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+import numpy as np
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeHistogramMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.exposition import start_http_server
+
+from kvtier.blocks import F_MANUAL_PIN, F_UNMOVABLE, TIER_MIXED, TIER_UNKNOWN
+from kvtier.errors import ConfigError
+
+DEFAULT_ADDRESS = "127.0.0.1"
+DEFAULT_PORT = 9464  # the port Prometheus' own exporter list keeps for OpenTelemetry-style exporters
+
+# Bucket bounds. Migration batches under TCG take 10 ms..seconds, on real
+# hardware 100 us..100 ms; one set of log-spaced bounds covers both.
+MIGRATION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+                     0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+TICK_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# Temperature is a decayed access count: a block read r times a second
+# settles at r * tau (hotness.py), so decades span idle to every-decode-step.
+TEMP_BUCKETS = (0.0, 0.01, 0.1, 1.0, 10.0, 100.0, 1000.0, 10000.0)
+
+UNKNOWN_TIER = "unknown"
+MIXED_TIER = "mixed"
+
+
+# ---------------------------------------------------------------------------
+# configuration ([metrics] is a passthrough section of kvtier.config)
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    enabled: bool = True
+    address: str = DEFAULT_ADDRESS
+    port: int = DEFAULT_PORT
+    # Per-region series cost regions x tiers time series; fleets with
+    # thousands of regions per host turn them off and keep per-tenant ones.
+    per_region: bool = True
+
+    @classmethod
+    def from_table(cls, table: Mapping[str, Any] | None) -> "MetricsConfig":
+        """Validate the raw ``[metrics]`` table; errors name the key."""
+        table = dict(table or {})
+        types = {"enabled": bool, "address": str, "port": int, "per_region": bool}
+        for key, value in table.items():
+            want = types.get(key)
+            if want is None:
+                raise ConfigError(f"metrics.{key}: unknown option (known in [metrics]: {', '.join(types)})")
+            if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+                raise ConfigError(f"metrics.{key}: expected {want.__name__}, got {type(value).__name__} {value!r}")
+        cfg = cls(**table)
+        if not 0 <= cfg.port <= 65535:
+            raise ConfigError(f"metrics.port: must be 0..65535, got {cfg.port}")
+        if not cfg.address:
+            raise ConfigError("metrics.address: must not be empty")
+        return cfg
+
+
+# ---------------------------------------------------------------------------
+# a plain histogram for DaemonStats to fill (no prometheus objects in stats)
+
+
+class Histogram:
+    """Cumulative bucket counts, filled on the loop thread, read at scrape.
+
+    Kept free of prometheus_client so DaemonStats stays a plain object;
+    the collector turns it into a HistogramMetricFamily.
+    """
+
+    def __init__(self, bounds: Iterable[float]):
+        self.bounds = tuple(float(b) for b in bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # last: above every bound
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def buckets(self) -> list[tuple[str, int]]:
+        """(le, cumulative count) pairs as Prometheus wants them, +Inf last."""
+        out, acc = [], 0
+        for b, c in zip(self.bounds + (math.inf,), self.counts):
+            acc += c
+            out.append((_le(b), acc))
+        return out
+
+
+def _le(b: float) -> str:
+    return "+Inf" if math.isinf(b) else repr(float(b))
+
+
+# ---------------------------------------------------------------------------
+# the metric list (docs/metrics.md mirrors it; a unit test keeps them equal)
+
+# name -> (type, labels, help)
+METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "kvtier_build_info": ("info", ("version",), "kvtier version of the running daemon."),
+    "kvtier_start_time_seconds": ("gauge", (), "Unix time the daemon started."),
+    "kvtier_tier_info": ("gauge", ("tier", "index", "kind", "nodes"),
+                         "1 per memory tier: its index (0 = fastest), kind and NUMA nodes."),
+    "kvtier_tier_capacity_bytes": ("gauge", ("tier",), "Bytes kvtier may fill in the tier (total unless capped)."),
+    "kvtier_tier_total_bytes": ("gauge", ("tier",), "Total bytes of the tier's nodes or swap devices."),
+    "kvtier_tier_free_bytes": ("gauge", ("tier",), "Free bytes of the tier, machine-wide, at the last refresh."),
+    "kvtier_tier_bytes": ("gauge", ("tier",), "Bytes of registered KV blocks in the tier (unknown/mixed included)."),
+    "kvtier_tier_blocks": ("gauge", ("tier",), "Registered KV blocks in the tier."),
+    "kvtier_tenant_tier_bytes": ("gauge", ("tenant", "tier"), "Bytes of a tenant's KV blocks per tier."),
+    "kvtier_region_tier_bytes": ("gauge", ("region", "name", "tenant", "tier"),
+                                 "Bytes of one region's KV blocks per tier (metrics.per_region)."),
+    "kvtier_tier_access_share": ("gauge", ("tier",),
+                                 "Share of recent block accesses (decayed temperature) held by blocks now in the tier."),
+    "kvtier_hint_block_accesses": ("counter", ("tier",),
+                                   "Block accesses named in client hints, by the tier the block was in when hinted."),
+    "kvtier_tier_hit_ratio": ("gauge", ("tier",),
+                              "Fraction of hinted block accesses that found the block in the tier, since start."),
+    "kvtier_block_temperature": ("gaugehistogram", (), "Blocks by current temperature (decayed access count)."),
+    "kvtier_blocks_unmovable": ("gauge", (), "Blocks marked unmovable (pinned pages, repeated failures)."),
+    "kvtier_blocks_pinned": ("gauge", (), "Blocks pinned to a tier by an operator."),
+    "kvtier_migrations": ("counter", ("src", "dst"), "Blocks migrated, by source and destination tier."),
+    "kvtier_migrated_bytes": ("counter", ("src", "dst"), "Bytes migrated, by source and destination tier."),
+    "kvtier_migration_failures": ("counter", ("src", "dst", "reason"),
+                                  "Failed block migrations by tiers and reason (errno name)."),
+    "kvtier_migration_duration_seconds": ("histogram", (), "Wall time of one migration batch."),
+    "kvtier_tick_duration_seconds": ("histogram", (), "Wall time of one policy tick (snapshot, plan, act)."),
+    "kvtier_tick_last_duration_seconds": ("gauge", (), "Wall time of the last tick."),
+    "kvtier_ticks": ("counter", (), "Policy ticks run."),
+    "kvtier_tick_errors": ("counter", (), "Ticks that raised an error (the loop continued)."),
+    "kvtier_ticks_skipped_busy": ("counter", (), "Ticks whose act phase was skipped: previous migration still running."),
+    "kvtier_residency_scans": ("counter", (), "Full re-measurements of where every block's pages are."),
+    "kvtier_regions": ("gauge", (), "Registered regions."),
+    "kvtier_clients": ("gauge", (), "Processes with at least one registered region."),
+    "kvtier_blocks": ("gauge", (), "Registered KV blocks."),
+    "kvtier_registered_bytes": ("gauge", (), "Bytes of registered regions."),
+    "kvtier_region_events": ("counter", ("event",),
+                             "Region lifecycle: registered, unregistered, dropped_exit, adopted, stale."),
+    "kvtier_connections": ("gauge", (), "Open client connections."),
+    "kvtier_connections_accepted": ("counter", (), "Client connections accepted."),
+    "kvtier_connections_refused": ("counter", (), "Connections refused (max_connections limits)."),
+    "kvtier_requests": ("counter", ("op",), "Protocol requests by operation."),
+    "kvtier_request_errors": ("counter", ("op", "code"), "Protocol error responses by operation and error code."),
+    "kvtier_hinted_blocks": ("counter", (), "Block indices received in hint requests."),
+    "kvtier_hotness_source_active": ("gauge", ("source", "reason"),
+                                     "1 if the hotness source feeds temperatures, 0 if not; reason says why."),
+    "kvtier_state_writes": ("counter", ("result",), "Registration state file writes (ok, error)."),
+    "kvtier_config_reloads": ("counter", ("result",), "Config reloads (ok, error)."),
+}
+
+
+def _tier_name(names: list[str], t: int) -> str:
+    if 0 <= t < len(names):
+        return names[t]
+    if t == TIER_MIXED:
+        return MIXED_TIER
+    return UNKNOWN_TIER if t == TIER_UNKNOWN else str(t)
+
+
+SourceStatus = tuple[str, bool, str]  # (name, active, reason)
+
+
+class Collector:
+    """A prometheus_client custom collector over the daemon's live state.
+
+    ``sources`` returns the hotness sources' status as (name, active, reason)
+    triples; the daemon passes a closure over its source objects.
+    """
+
+    def __init__(
+        self,
+        stats: Any,
+        registry: Any,
+        table: Any,
+        topology: Any,
+        *,
+        sources: Callable[[], Iterable[SourceStatus]] | None = None,
+        per_region: bool = True,
+        version: str | None = None,
+    ):
+        self.stats = stats
+        self.registry = registry
+        self.table = table
+        self.topology = topology
+        self.sources = sources
+        self.per_region = per_region
+        self.version = version if version is not None else _version()
+
+    def describe(self) -> list[Metric]:
+        # Registration must not call collect() (it would read half-built state).
+        return []
+
+    # -- helpers -----------------------------------------------------------
+
+    def _tiers(self) -> list[Any]:
+        return list(getattr(self.topology, "tiers", []) or [])
+
+    def _columns(self) -> dict[str, np.ndarray]:
+        """One consistent-length copy of the columns a scrape needs."""
+        t = self.table
+        cols = {name: np.array(getattr(t, name), copy=True)
+                for name in ("region", "tier", "nbytes", "temp", "tenant", "flags")}
+        n = min(len(c) for c in cols.values())
+        return {k: v[:n] for k, v in cols.items()}
+
+    # -- collect -----------------------------------------------------------
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats
+        tiers = self._tiers()
+        names = [t.name for t in tiers]
+        cols = self._columns()
+
+        yield InfoMetricFamily("kvtier_build", METRICS["kvtier_build_info"][2], value={"version": self.version})
+        yield GaugeMetricFamily("kvtier_start_time_seconds", METRICS["kvtier_start_time_seconds"][2],
+                                value=float(getattr(s, "started_wall", 0.0)))
+        yield from self._tier_metrics(tiers, names, cols)
+        yield from self._owner_metrics(names, cols)
+        yield from self._hotness_metrics(names, cols)
+        yield from self._migration_metrics(names)
+        yield from self._tick_metrics()
+        yield from self._registry_metrics()
+        yield from self._server_metrics()
+        yield from self._source_metrics()
+
+    def _tier_metrics(self, tiers, names, cols) -> Iterator[Metric]:
+        info = _gauge("kvtier_tier_info")
+        cap, total, free = (_gauge(n) for n in ("kvtier_tier_capacity_bytes", "kvtier_tier_total_bytes",
+                                                "kvtier_tier_free_bytes"))
+        for t in tiers:
+            info.add_metric([t.name, str(t.index), t.kind, ",".join(str(n) for n in t.nodes)], 1)
+            cap.add_metric([t.name], t.capacity)
+            total.add_metric([t.name], t.total)
+            free.add_metric([t.name], t.free)
+        yield from (info, cap, total, free)
+
+        used, blocks = _gauge("kvtier_tier_bytes"), _gauge("kvtier_tier_blocks")
+        by_bytes, by_count = _group_sum(cols["tier"], cols["nbytes"])
+        # Every tier gets a sample (0 when empty) so dashboards do not show gaps.
+        present = dict.fromkeys(range(len(tiers)))
+        present.update(dict.fromkeys(by_bytes))
+        for t in present:
+            used.add_metric([_tier_name(names, t)], by_bytes.get(t, 0))
+            blocks.add_metric([_tier_name(names, t)], by_count.get(t, 0))
+        yield used
+        yield blocks
+
+        flags = cols["flags"]
+        yield GaugeMetricFamily("kvtier_blocks_unmovable", METRICS["kvtier_blocks_unmovable"][2],
+                                value=int(np.count_nonzero(flags & F_UNMOVABLE)))
+        yield GaugeMetricFamily("kvtier_blocks_pinned", METRICS["kvtier_blocks_pinned"][2],
+                                value=int(np.count_nonzero(flags & F_MANUAL_PIN)))
+
+    def _owner_metrics(self, names, cols) -> Iterator[Metric]:
+        reg = self.registry
+        tenant_names = {tid: name for name, tid in getattr(reg, "tenants", {}).items()}
+        tenant = _gauge("kvtier_tenant_tier_bytes")
+        for (tid, t), nb in _pair_sum(cols["tenant"], cols["tier"], cols["nbytes"]).items():
+            tenant.add_metric([tenant_names.get(tid, str(tid)), _tier_name(names, t)], nb)
+        yield tenant
+        if not self.per_region:
+            return
+        region = _gauge("kvtier_region_tier_bytes")
+        regions = getattr(reg, "regions", {})
+        for (rid, t), nb in _pair_sum(cols["region"], cols["tier"], cols["nbytes"]).items():
+            r = regions.get(rid)
+            if r is None:  # removed between the copy and now
+                continue
+            region.add_metric([str(rid), r.name, r.tenant, _tier_name(names, t)], nb)
+        yield region
+
+    def _hotness_metrics(self, names, cols) -> Iterator[Metric]:
+        temp = cols["temp"].astype(np.float64)
+        hist = GaugeHistogramMetricFamily("kvtier_block_temperature", METRICS["kvtier_block_temperature"][2])
+        counts = np.searchsorted(np.asarray(TEMP_BUCKETS), temp, side="left")
+        per = np.bincount(counts, minlength=len(TEMP_BUCKETS) + 1)
+        cum = np.cumsum(per)
+        hist.add_metric([], [(_le(b), int(c)) for b, c in zip(TEMP_BUCKETS + (math.inf,), cum)],
+                        gsum_value=float(temp.sum()))
+        yield hist
+
+        share = _gauge("kvtier_tier_access_share")
+        total = float(temp.sum())
+        by_temp, _ = _group_sum(cols["tier"], temp)
+        for t in sorted(set(range(len(names))) | set(by_temp)):
+            share.add_metric([_tier_name(names, t)], by_temp.get(t, 0.0) / total if total > 0 else 0.0)
+        yield share
+
+        # Hit ratio from client hints: needs DaemonStats.hint_tier_blocks
+        # (tier index -> hinted block accesses), counted when the hint arrives.
+        hits = getattr(self.stats, "hint_tier_blocks", None)
+        if hits is None:
+            return
+        acc, ratio = _counter("kvtier_hint_block_accesses"), _gauge("kvtier_tier_hit_ratio")
+        all_hits = sum(hits.values())
+        for t in sorted(set(range(len(names))) | set(hits)):
+            n = hits.get(t, 0)
+            acc.add_metric([_tier_name(names, t)], n)
+            ratio.add_metric([_tier_name(names, t)], n / all_hits if all_hits else 0.0)
+        yield acc
+        yield ratio
+
+    def _migration_metrics(self, names) -> Iterator[Metric]:
+        s = self.stats
+        blocks, nbytes = _counter("kvtier_migrations"), _counter("kvtier_migrated_bytes")
+        for (src, dst), n in sorted(s.migrations.items()):
+            blocks.add_metric([_tier_name(names, src), _tier_name(names, dst)], n)
+        for (src, dst), n in sorted(s.migrated_bytes.items()):
+            nbytes.add_metric([_tier_name(names, src), _tier_name(names, dst)], n)
+        fails = _counter("kvtier_migration_failures")
+        for (src, dst, why), n in sorted(s.migration_failures.items(), key=lambda kv: str(kv[0])):
+            fails.add_metric([_tier_name(names, src), _tier_name(names, dst), str(why)], n)
+        yield from (blocks, nbytes, fails)
+        yield _histogram("kvtier_migration_duration_seconds", getattr(s, "migration_seconds_hist", None),
+                         fallback_sum=getattr(s, "migration_seconds_sum", 0.0))
+
+    def _tick_metrics(self) -> Iterator[Metric]:
+        s = self.stats
+        h = getattr(s, "tick_seconds_hist", None)
+        if h is not None:
+            yield _histogram("kvtier_tick_duration_seconds", h)
+        else:
+            # Until DaemonStats keeps tick buckets: count and sum only (a
+            # histogram with just +Inf), which still gives the mean by rate().
+            yield _histogram("kvtier_tick_duration_seconds", None, fallback_sum=s.tick_seconds_sum,
+                             fallback_count=s.ticks_total)
+        yield GaugeMetricFamily("kvtier_tick_last_duration_seconds", METRICS["kvtier_tick_last_duration_seconds"][2],
+                                value=s.tick_seconds_last)
+        for name, value in (("kvtier_ticks", s.ticks_total), ("kvtier_tick_errors", s.tick_errors_total),
+                            ("kvtier_ticks_skipped_busy", s.ticks_skipped_busy),
+                            ("kvtier_residency_scans", s.residency_scans_total)):
+            yield CounterMetricFamily(name, METRICS[name][2], value=value)
+
+    def _registry_metrics(self) -> Iterator[Metric]:
+        s = self.stats
+        for name, value in (("kvtier_regions", s.regions), ("kvtier_clients", s.processes),
+                            ("kvtier_blocks", s.blocks), ("kvtier_registered_bytes", s.registered_bytes)):
+            yield GaugeMetricFamily(name, METRICS[name][2], value=value)
+        ev = _counter("kvtier_region_events")
+        for event, value in (("registered", s.regions_registered_total),
+                             ("unregistered", s.regions_unregistered_total),
+                             ("dropped_exit", s.regions_dropped_exit_total),
+                             ("adopted", s.regions_adopted_total), ("stale", s.regions_stale_total)):
+            ev.add_metric([event], value)
+        yield ev
+        yield CounterMetricFamily("kvtier_hinted_blocks", METRICS["kvtier_hinted_blocks"][2],
+                                  value=s.block_hints_total)
+        for name, ok, err in (("kvtier_state_writes", s.state_writes_total, s.state_write_errors_total),
+                              ("kvtier_config_reloads", s.config_reloads_total, s.config_reload_errors_total)):
+            fam = _counter(name)
+            fam.add_metric(["ok"], ok)
+            fam.add_metric(["error"], err)
+            yield fam
+
+    def _server_metrics(self) -> Iterator[Metric]:
+        s = self.stats
+        yield GaugeMetricFamily("kvtier_connections", METRICS["kvtier_connections"][2], value=s.connections_open)
+        yield CounterMetricFamily("kvtier_connections_accepted", METRICS["kvtier_connections_accepted"][2],
+                                  value=s.connections_total)
+        yield CounterMetricFamily("kvtier_connections_refused", METRICS["kvtier_connections_refused"][2],
+                                  value=s.connections_refused)
+        req, err = _counter("kvtier_requests"), _counter("kvtier_request_errors")
+        for op, n in sorted(s.requests.items()):
+            req.add_metric([str(op)], n)
+        for (op, code), n in sorted(s.errors.items()):
+            err.add_metric([str(op), str(code)], n)
+        yield req
+        yield err
+
+    def _source_metrics(self) -> Iterator[Metric]:
+        fam = _gauge("kvtier_hotness_source_active")
+        if self.sources is not None:
+            for name, active, reason in self.sources():
+                fam.add_metric([name, reason or ""], 1 if active else 0)
+        yield fam
+
+
+def _gauge(name: str) -> GaugeMetricFamily:
+    _, labels, doc = METRICS[name]
+    return GaugeMetricFamily(name, doc, labels=labels)
+
+
+def _counter(name: str) -> CounterMetricFamily:
+    _, labels, doc = METRICS[name]
+    return CounterMetricFamily(name, doc, labels=labels)
+
+
+def _histogram(name: str, h: Histogram | None, *, fallback_sum: float = 0.0,
+               fallback_count: int | None = None) -> HistogramMetricFamily:
+    fam = HistogramMetricFamily(name, METRICS[name][2])
+    if h is not None:
+        fam.add_metric([], h.buckets(), sum_value=h.sum)
+    else:
+        fam.add_metric([], [("+Inf", int(fallback_count or 0))], sum_value=float(fallback_sum))
+    return fam
+
+
+def _group_sum(keys: np.ndarray, values: np.ndarray) -> tuple[dict[int, float], dict[int, int]]:
+    """Sum and count of ``values`` per distinct key (one np.unique, no per-block loop)."""
+    if keys.size == 0:
+        return {}, {}
+    uniq, inv, counts = np.unique(keys.astype(np.int64), return_inverse=True, return_counts=True)
+    sums = np.bincount(inv, weights=values.astype(np.float64), minlength=uniq.size)
+    return ({int(k): _num(v) for k, v in zip(uniq, sums)}, {int(k): int(c) for k, c in zip(uniq, counts)})
+
+
+def _pair_sum(a: np.ndarray, b: np.ndarray, values: np.ndarray) -> dict[tuple[int, int], float]:
+    if a.size == 0:
+        return {}
+    pairs = np.stack([a.astype(np.int64), b.astype(np.int64)], axis=1)
+    uniq, inv = np.unique(pairs, axis=0, return_inverse=True)
+    sums = np.bincount(inv.ravel(), weights=values.astype(np.float64), minlength=len(uniq))
+    return {(int(x), int(y)): _num(v) for (x, y), v in zip(uniq, sums)}
+
+
+def _num(v: float) -> float:
+    # Byte sums are integral; keep them ints so the exposition has no ".0".
+    return int(v) if float(v).is_integer() else float(v)
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("kvtier")
+    except Exception:  # not installed (running from a source tree)
+        return "unknown"
+
+
+# ---------------------------------------------------------------------------
+# the HTTP exporter
+
+
+class MetricsExporter:
+    """Serves ``Collector`` plus process metrics over HTTP on ``address:port``.
+
+    ``port=0`` binds an ephemeral port (tests); ``self.port`` is the bound one
+    after ``start()``. Process metrics (CPU, RSS, fds) come from
+    prometheus_client's ProcessCollector reading ``proc_root``.
+    """
+
+    def __init__(
+        self,
+        stats: Any,
+        registry: Any,
+        table: Any,
+        topology: Any,
+        address: str = DEFAULT_ADDRESS,
+        port: int = DEFAULT_PORT,
+        *,
+        proc_root: str = "/proc",
+        sources: Callable[[], Iterable[SourceStatus]] | None = None,
+        per_region: bool = True,
+    ):
+        self.address = address
+        self.port = port
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.collector = Collector(stats, registry, table, topology, sources=sources, per_region=per_region)
+        self.registry.register(self.collector)
+        ProcessCollector(proc=proc_root, registry=self.registry)
+        self._server = None
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def from_config(cls, cfg: MetricsConfig, stats, registry, table, topology, **kw) -> "MetricsExporter":
+        return cls(stats, registry, table, topology, cfg.address, cfg.port, per_region=cfg.per_region, **kw)
+
+    def render(self) -> bytes:
+        """The exposition text a scrape would return (kvtierctl, tests)."""
+        return generate_latest(self.registry)
+
+    def start(self) -> None:
+        """Bind and serve on a daemon thread; OSError (EADDRINUSE...) propagates."""
+        if self._server is not None:
+            return
+        self._server, self._thread = start_http_server(self.port, addr=self.address, registry=self.registry)
+        self.port = self._server.server_address[1]
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self._server is None:
+            return
+        self._server.shutdown()
+        self._server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._server = self._thread = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        return f"http://{host}:{self.port}/metrics"

@@ -1,0 +1,242 @@
+"""The metrics collector against a real Registry/BlockTable/DaemonStats (no
+root): what each documented metric reports, read with get_sample_value."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvtier import metrics, topology
+from kvtier.blocks import F_UNMOVABLE, TIER_MIXED, BlockTable
+from kvtier.errors import ConfigError
+from kvtier.hotness import Temperature
+from kvtier.registry import Limits, Registry
+from kvtier.stats import DaemonStats
+
+REPO = Path(__file__).resolve().parents[2]
+FIXTURE = REPO / "tests" / "fixtures" / "host-1node"
+MIB = 1 << 20
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+@pytest.fixture
+def daemon_state():
+    """Two regions of this process's own anonymous memory, registered for real."""
+    bufs = [mmap.mmap(-1, 8 * MIB), mmap.mmap(-1, 4 * MIB)]
+    stats = DaemonStats()
+    table_reg = Registry(
+        table=BlockTable(),
+        limits=Limits(), stats=stats, temperature=Temperature(10.0), clock=Clock(),
+    )
+    regs = []
+    for i, (b, tenant) in enumerate(zip(bufs, ("alice", "bob"))):
+        addr = np.frombuffer(b, dtype=np.uint8).ctypes.data
+        regs.append(table_reg.add(os.getpid(), addr, len(b), 2 * MIB, name=f"kv{i}", tenant=tenant))
+    topo = topology.discover(str(FIXTURE / "sys"), str(FIXTURE / "proc"))
+    yield stats, table_reg, topo, regs
+    for b in bufs:
+        b.close()
+
+
+def collect(stats, reg, topo, **kw) -> CollectorRegistry:
+    r = CollectorRegistry(auto_describe=False)
+    r.register(metrics.Collector(stats, reg, reg.table, topo, **kw))
+    return r
+
+
+def test_tier_bytes_follow_the_block_table(daemon_state):
+    stats, reg, topo, (r0, r1) = daemon_state
+    t = reg.table
+    s0, s1 = t.slices[r0.id], t.slices[r1.id]
+    t.tier[s0.start : s0.start + 3] = 0  # 6 MiB of alice in DRAM
+    t.tier[s0.start + 3] = 1  # 2 MiB of alice in swap
+    t.tier[s1.start] = 0
+    t.tier[s1.start + 1] = TIER_MIXED
+    c = collect(stats, reg, topo)
+    v = c.get_sample_value
+    assert [tt.name for tt in topo.tiers] == ["dram", "swap"]
+    assert v("kvtier_tier_bytes", {"tier": "dram"}) == 8 * MIB
+    assert v("kvtier_tier_bytes", {"tier": "swap"}) == 2 * MIB
+    assert v("kvtier_tier_bytes", {"tier": "mixed"}) == 2 * MIB
+    assert v("kvtier_tier_blocks", {"tier": "dram"}) == 4
+    assert v("kvtier_tenant_tier_bytes", {"tenant": "alice", "tier": "dram"}) == 6 * MIB
+    assert v("kvtier_tenant_tier_bytes", {"tenant": "bob", "tier": "mixed"}) == 2 * MIB
+    assert v("kvtier_region_tier_bytes", {"region": str(r0.id), "name": "kv0", "tenant": "alice",
+                                          "tier": "swap"}) == 2 * MIB
+    assert v("kvtier_tier_capacity_bytes", {"tier": "dram"}) == topo.tiers[0].capacity
+    assert v("kvtier_tier_info", {"tier": "swap", "index": "1", "kind": "swap", "nodes": ""}) == 1
+    assert v("kvtier_regions") == 2 and v("kvtier_clients") == 1 and v("kvtier_blocks") == 6
+    assert v("kvtier_registered_bytes") == 12 * MIB
+    assert v("kvtier_region_events_total", {"event": "registered"}) == 2
+
+
+def test_empty_tiers_report_zero_and_per_region_can_be_off(daemon_state):
+    stats, reg, topo, _ = daemon_state
+    c = collect(stats, reg, topo, per_region=False)
+    assert c.get_sample_value("kvtier_tier_bytes", {"tier": "swap"}) == 0
+    assert c.get_sample_value("kvtier_tier_bytes", {"tier": "unknown"}) == 12 * MIB
+    assert not any(m.name == "kvtier_region_tier_bytes" for m in c.collect())
+
+
+def test_migrations_failures_and_flags(daemon_state):
+    stats, reg, topo, (r0, _) = daemon_state
+    stats.migrations[(0, 1)] += 3
+    stats.migrated_bytes[(0, 1)] += 6 * MIB
+    stats.migrations[(1, 0)] += 1
+    stats.migration_failures[(0, 1, "EBUSY")] += 7
+    reg.table.flags[0] |= F_UNMOVABLE
+    v = collect(stats, reg, topo).get_sample_value
+    assert v("kvtier_migrations_total", {"src": "dram", "dst": "swap"}) == 3
+    assert v("kvtier_migrations_total", {"src": "swap", "dst": "dram"}) == 1
+    assert v("kvtier_migrated_bytes_total", {"src": "dram", "dst": "swap"}) == 6 * MIB
+    assert v("kvtier_migration_failures_total", {"src": "dram", "dst": "swap", "reason": "EBUSY"}) == 7
+    assert v("kvtier_blocks_unmovable") == 1
+
+
+def test_hint_hits_and_access_share(daemon_state):
+    stats, reg, topo, (r0, r1) = daemon_state
+    t = reg.table
+    t.tier[:] = 1
+    t.tier[t.slices[r0.id].start] = 0
+    reg.hint(r0.id, np.array([0, 0, 0, 1], dtype=np.uint32), None)  # 3 reads of a DRAM block, 1 of swap
+    v = collect(stats, reg, topo).get_sample_value
+    assert v("kvtier_tier_access_share", {"tier": "dram"}) == pytest.approx(0.75)
+    assert v("kvtier_tier_access_share", {"tier": "swap"}) == pytest.approx(0.25)
+    assert v("kvtier_hinted_blocks_total") == 4
+    if not hasattr(stats, "hint_tier_blocks"):
+        # The true hit counter needs DaemonStats to count hint hits per tier.
+        assert v("kvtier_tier_hit_ratio", {"tier": "dram"}) is None
+    stats.hint_tier_blocks = {0: 30, 1: 10}
+    v = collect(stats, reg, topo).get_sample_value
+    assert v("kvtier_hint_block_accesses_total", {"tier": "dram"}) == 30
+    assert v("kvtier_tier_hit_ratio", {"tier": "dram"}) == pytest.approx(0.75)
+
+
+def test_temperature_histogram(daemon_state):
+    stats, reg, topo, _ = daemon_state
+    reg.table.temp[:] = [0.0, 0.5, 5.0, 5.0, 50.0, 20000.0]
+    v = collect(stats, reg, topo).get_sample_value
+    assert v("kvtier_block_temperature_bucket", {"le": "0.0"}) == 1
+    assert v("kvtier_block_temperature_bucket", {"le": "1.0"}) == 2
+    assert v("kvtier_block_temperature_bucket", {"le": "10.0"}) == 4
+    assert v("kvtier_block_temperature_bucket", {"le": "10000.0"}) == 5
+    assert v("kvtier_block_temperature_bucket", {"le": "+Inf"}) == 6
+    assert v("kvtier_block_temperature_gsum") == pytest.approx(20060.5)
+
+
+def test_requests_ticks_and_sources(daemon_state):
+    stats, reg, topo, _ = daemon_state
+    stats.requests["hint"] += 5
+    stats.errors[("register", "overlap")] += 2
+    stats.observe_tick(0.25)
+    stats.observe_tick(0.75)
+    sources = [("hint", True, ""), ("damon", False, "no vaddr ops")]
+    v = collect(stats, reg, topo, sources=lambda: sources).get_sample_value
+    assert v("kvtier_requests_total", {"op": "hint"}) == 5
+    assert v("kvtier_request_errors_total", {"op": "register", "code": "overlap"}) == 2
+    assert v("kvtier_tick_duration_seconds_count") == 2
+    assert v("kvtier_tick_duration_seconds_sum") == 1.0
+    assert v("kvtier_tick_last_duration_seconds") == 0.75
+    assert v("kvtier_hotness_source_active", {"source": "damon", "reason": "no vaddr ops"}) == 0
+    assert v("kvtier_hotness_source_active", {"source": "hint", "reason": ""}) == 1
+
+
+def test_histogram_buckets_are_cumulative():
+    h = metrics.Histogram((0.1, 1.0))
+    for x in (0.05, 0.1, 0.5, 3.0):
+        h.observe(x)
+    assert h.buckets() == [("0.1", 2), ("1.0", 3), ("+Inf", 4)]
+    assert h.count == 4 and h.sum == pytest.approx(3.65)
+
+
+def test_migration_histogram_from_stats(daemon_state):
+    stats, reg, topo, _ = daemon_state
+    stats.migration_seconds_hist = metrics.Histogram(metrics.MIGRATION_BUCKETS)
+    stats.migration_seconds_hist.observe(0.003)
+    v = collect(stats, reg, topo).get_sample_value
+    assert v("kvtier_migration_duration_seconds_bucket", {"le": "0.0025"}) == 0
+    assert v("kvtier_migration_duration_seconds_bucket", {"le": "0.005"}) == 1
+    assert v("kvtier_migration_duration_seconds_count") == 1
+
+
+def test_every_metric_is_documented_and_every_documented_one_exists(daemon_state):
+    stats, reg, topo, _ = daemon_state
+    stats.hint_tier_blocks = {0: 1}
+    doc = (REPO / "docs" / "metrics.md").read_text()
+    documented = set(re.findall(r"^\| `(kvtier_[a-z_]+)` \|", doc, re.M))
+    suffix = {"counter": "_total", "info": "_info"}
+    exposed = {m.name + suffix.get(m.type, "") for m in collect(stats, reg, topo).collect()}
+    assert documented == exposed
+    for name, (typ, labels, _) in metrics.METRICS.items():
+        shown = name + ("_total" if typ == "counter" else "")
+        assert re.search(rf"^\| `{shown}` \| {typ} \|", doc, re.M), name
+
+
+def test_exposition_parses_and_names_follow_conventions(daemon_state):
+    stats, reg, topo, _ = daemon_state
+    exp = metrics.MetricsExporter(stats, reg, reg.table, topo, port=0)
+    fams = list(text_string_to_metric_families(exp.render().decode()))
+    names = {f.name for f in fams}
+    assert "process_cpu_seconds" in names
+    for f in fams:
+        if f.name.startswith("process_") or f.name.startswith("python_"):
+            continue
+        assert f.name.startswith("kvtier_"), f.name
+        if f.type == "counter":
+            assert all(s.name.endswith("_total") for s in f.samples), f.name
+
+
+def test_process_metrics_read_the_injected_proc_root(daemon_state, tmp_path):
+    """ProcessCollector reads <proc_root>/self/{stat,limits,fd} and stat's btime."""
+    stats, reg, topo, _ = daemon_state
+    proc = tmp_path / "proc"
+    (proc / "self" / "fd").mkdir(parents=True)
+    for i in range(3):
+        (proc / "self" / "fd" / str(i)).write_text("")
+    # A captured /proc/self/stat line: utime 250, stime 150 ticks, vsize, rss 1000 pages.
+    fields = ["4242", "(kvtierd)", "S"] + ["0"] * 10 + ["250", "150"] + ["0"] * 6 + ["12345", "104857600", "1000"]
+    (proc / "self" / "stat").write_text(" ".join(fields) + "\n")
+    (proc / "stat").write_text("cpu  1 2 3\nbtime 1700000000\n")
+    (proc / "self" / "limits").write_text(
+        "Limit                     Soft Limit           Hard Limit           Units     \n"
+        "Max open files            1024                 4096                 files     \n"
+    )
+    exp = metrics.MetricsExporter(stats, reg, reg.table, topo, port=0, proc_root=str(proc))
+    v = exp.registry.get_sample_value
+    assert v("process_virtual_memory_bytes") == 104857600
+    assert v("process_resident_memory_bytes") == 1000 * os.sysconf("SC_PAGE_SIZE")
+    assert v("process_open_fds") == 3
+    assert v("process_max_fds") == 1024
+    assert v("process_cpu_seconds_total") == pytest.approx(400 / os.sysconf("SC_CLK_TCK"))
+
+
+@pytest.mark.parametrize("table, message", [
+    ({"port": 70000}, "metrics.port"),
+    ({"port": "9464"}, "metrics.port: expected int"),
+    ({"enabled": 1}, "metrics.enabled: expected bool"),
+    ({"adress": "::"}, "metrics.adress: unknown option"),
+    ({"address": ""}, "metrics.address"),
+])
+def test_config_errors_name_the_key(table, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        metrics.MetricsConfig.from_table(table)
+
+
+def test_config_defaults():
+    cfg = metrics.MetricsConfig.from_table({})
+    assert (cfg.enabled, cfg.address, cfg.port, cfg.per_region) == (True, "127.0.0.1", 9464, True)
+    assert metrics.MetricsConfig.from_table({"port": 0, "address": "::"}).port == 0
