@@ -1,0 +1,359 @@
+"""Python client for kvtierd: what an inference engine links against.
+
+    from kvtier.client import Client
+    with Client() as kv:
+        region = kv.register(kv_cache_tensor_or_mmap, block_size=2 << 20, name="layer0",
+                             tenant="team-a", constraints=["never_swap"])
+        region.hint([3, 4, 9])          # batched: sent when the batch is full or old
+        region.phase("prefill_done", [3, 4])
+        tiers = region.query()          # numpy int8, one tier per block
+        region.unregister()             # or leave the `with region:` block
+
+Blocking I/O on one socket, no background thread (an inference engine's
+process should not grow threads behind its back). Hints are pipelined: they
+are sent without waiting, and their answers are collected with the next
+synchronous call, so hinting costs one ``send`` per batch. If the daemon
+restarts, the next call reconnects (waiting up to ``reconnect_timeout``) and
+retries; the daemon re-adopts registrations from its state file, so region
+handles stay valid.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno as _errno
+import os
+import socket
+import time
+from typing import Any, Iterable
+
+import msgspec
+import numpy as np
+
+from kvtier import protocol as P
+from kvtier.config import DEFAULT_SOCKET
+
+ENV_SOCKET = "KVTIER_SOCKET"
+# Unanswered pipelined requests before the client stops to read answers, so
+# neither side's socket buffer fills up while the other waits.
+MAX_IN_FLIGHT = 64
+
+
+class KvtierClientError(Exception):
+    """The daemon refused a request: ``code`` (see docs/protocol.md), ``errno``."""
+
+    def __init__(self, op: str, code: str, message: str, errno: int = 0, retry_after_ms: int = 0):
+        super().__init__(f"{op}: {code}: {message}")
+        self.op = op
+        self.code = code
+        self.errno = errno
+        self.retry_after_ms = retry_after_ms
+
+
+class DaemonUnavailable(KvtierClientError, ConnectionError):
+    def __init__(self, path: str, why: str):
+        KvtierClientError.__init__(self, "connect", "unavailable", f"kvtierd at {path}: {why}")
+
+
+def buffer_address(obj: Any) -> tuple[int, int]:
+    """(address, length) of a C-contiguous object exposing the buffer protocol
+    (mmap, numpy array, bytearray, torch CPU tensor via numpy())."""
+    mv = memoryview(obj)
+    if not mv.c_contiguous:
+        raise ValueError("buffer must be C-contiguous")
+    if mv.readonly:
+        # numpy reads the address of read-only buffers too (ctypes cannot).
+        arr = np.frombuffer(mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv, dtype=np.uint8)
+        return int(arr.ctypes.data), mv.nbytes
+    c = (ctypes.c_char * mv.nbytes).from_buffer(mv)
+    return ctypes.addressof(c), mv.nbytes
+
+
+class Region:
+    """A registered region; a context manager that unregisters on exit."""
+
+    def __init__(self, client: "Client", info: dict, start: int, length: int, keepalive: Any = None):
+        self.client = client
+        self.id: int = info["region"]
+        self.nblocks: int = info["blocks"]
+        self.block_size: int = info["block_size"]
+        self.start = start
+        self.length = length
+        self._keepalive = keepalive  # the buffer must outlive the registration
+        self._blocks: list[np.ndarray] = []
+        self._counts: list[np.ndarray] = []
+        self._pending = 0
+        self._first_pending = 0.0
+        self.closed = False
+
+    def __repr__(self) -> str:
+        return f"<kvtier Region {self.id} 0x{self.start:x}+{self.length} blocks={self.nblocks}>"
+
+    def __enter__(self) -> "Region":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.unregister()
+
+    def hint(self, blocks: Iterable[int] | np.ndarray, counts: Iterable[int] | np.ndarray | None = None) -> None:
+        """Record accesses to blocks; sent once ``hint_batch`` block hints are
+        pending or the oldest is ``hint_interval`` seconds old."""
+        b = np.asarray(blocks, dtype=P.BLOCKS_DTYPE).ravel()
+        if not b.size:
+            return
+        c = (np.ones(b.size, dtype=P.COUNTS_DTYPE) if counts is None
+             else np.asarray(counts, dtype=P.COUNTS_DTYPE).ravel())
+        if c.size != b.size:
+            raise ValueError(f"{c.size} counts for {b.size} blocks")
+        if not self._pending:
+            self._first_pending = time.monotonic()
+        self._blocks.append(b)
+        self._counts.append(c)
+        self._pending += b.size
+        cl = self.client
+        if self._pending >= cl.hint_batch or time.monotonic() - self._first_pending >= cl.hint_interval:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        b = self._blocks[0] if len(self._blocks) == 1 else np.concatenate(self._blocks)
+        c = self._counts[0] if len(self._counts) == 1 else np.concatenate(self._counts)
+        self._blocks, self._counts, self._pending = [], [], 0
+        counts = None if bool((c == 1).all()) else c.tobytes()  # absent = 1 each
+        self.client._send_async(P.Hint(region=self.id, blocks=b.tobytes(), counts=counts))
+
+    def phase(self, phase: str, blocks: Iterable[int] | np.ndarray | None = None) -> int:
+        """"prefill_done" (blocks now read-only: demotion candidates), "active"
+        (undo), or "free" (blocks hold no live data)."""
+        self.flush()
+        packed = None if blocks is None else P.pack_blocks(np.asarray(blocks).ravel())
+        return self.client.call(P.Phase(region=self.id, phase=phase, blocks=packed))["blocks"]
+
+    def query(self, first: int = 0, count: int | None = None) -> np.ndarray:
+        """Tier index per block (0 = DRAM; -1 unknown/not yet touched)."""
+        r = self.client.call(P.Query(region=self.id, first=first, count=count))
+        return np.frombuffer(r["tiers"], dtype=P.TIERS_DTYPE)
+
+    def unregister(self) -> None:
+        if self.closed:
+            return
+        self._blocks, self._counts, self._pending = [], [], 0
+        self.client.call(P.Unregister(region=self.id))
+        self.closed = True
+        self.client._regions.pop(self.id, None)
+
+
+class Client:
+    """One connection to kvtierd. Not thread-safe: one Client per thread."""
+
+    def __init__(
+        self,
+        path: str | None = None,
+        *,
+        timeout: float = 10.0,
+        reconnect_timeout: float = 30.0,
+        hint_batch: int = 65536,
+        hint_interval: float = 0.05,
+        name: str = "",
+        connect: bool = True,
+    ):
+        self.path = path or os.environ.get(ENV_SOCKET) or DEFAULT_SOCKET
+        self.timeout = timeout
+        self.reconnect_timeout = reconnect_timeout
+        self.hint_batch = hint_batch
+        self.hint_interval = hint_interval
+        self.name = name or f"python pid {os.getpid()}"
+        self.sock: socket.socket | None = None
+        self.server: dict = {}
+        self._next_id = 1
+        self._in_flight: dict[int, str] = {}  # pipelined request id -> op
+        self._rbuf = bytearray()
+        self._regions: dict[int, Region] = {}
+        self.async_errors: list[KvtierClientError] = []  # answers to pipelined hints
+        self.reconnects = 0
+        if connect:
+            self.connect()
+
+    # -- connection ------------------------------------------------------
+
+    def connect(self) -> None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        s.settimeout(self.timeout)
+        try:
+            s.connect(self.path)
+        except OSError as e:
+            s.close()
+            raise DaemonUnavailable(self.path, os.strerror(e.errno) if e.errno else str(e)) from None
+        self.sock = s
+        self._rbuf.clear()
+        self._in_flight.clear()
+        self.server = self._call_once(P.Hello(client=self.name))
+
+    def _reconnect(self) -> None:
+        self.close_socket()
+        deadline = time.monotonic() + self.reconnect_timeout
+        delay = 0.01
+        while True:
+            try:
+                self.connect()
+                self.reconnects += 1
+                return
+            except (DaemonUnavailable, ConnectionError):
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
+
+    def close_socket(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+    def close(self) -> None:
+        if self.sock is not None:
+            try:
+                for r in list(self._regions.values()):
+                    r.flush()
+                self._drain()
+            except (KvtierClientError, OSError):
+                pass
+        self.close_socket()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- framing ---------------------------------------------------------
+
+    def _send(self, req: P.Request) -> int:
+        rid = self._next_id
+        self._next_id += 1
+        req.id = rid
+        if self.sock is None:
+            raise ConnectionResetError(_errno.ENOTCONN, "not connected")
+        self.sock.sendall(P.encode_request(req))
+        return rid
+
+    def _recv_one(self) -> P.Response:
+        buf = self._rbuf
+        while True:
+            if len(buf) >= P.HEADER_SIZE:
+                (size,) = P.HEADER.unpack_from(buf, 0)
+                end = P.HEADER_SIZE + size
+                if len(buf) >= end:
+                    resp = P.decode_response(bytes(buf[P.HEADER_SIZE:end]))
+                    del buf[:end]
+                    return resp
+            chunk = self.sock.recv(1 << 20)
+            if not chunk:
+                raise ConnectionResetError(_errno.ECONNRESET, "kvtierd closed the connection")
+            buf += chunk
+
+    def _collect(self, resp: P.Response) -> None:
+        op = self._in_flight.pop(resp.id, "?")
+        if not resp.ok:
+            e = resp.error
+            self.async_errors.append(KvtierClientError(op, e.code, e.message, e.errno, e.retry_after_ms))
+
+    def _drain(self) -> None:
+        while self._in_flight:
+            self._collect(self._recv_one())
+
+    def _send_async(self, req: P.Request) -> None:
+        """Pipelined request (hints): answer collected later."""
+        for attempt in (0, 1):
+            try:
+                while len(self._in_flight) >= MAX_IN_FLIGHT:
+                    self._collect(self._recv_one())
+                rid = self._send(req)
+                self._in_flight[rid] = req.__struct_config__.tag
+                return
+            except (ConnectionError, BrokenPipeError, socket.timeout):
+                if attempt:
+                    raise
+                self._reconnect()
+
+    def _call_once(self, req: P.Request) -> Any:
+        rid = self._send(req)
+        op = req.__struct_config__.tag
+        while True:
+            resp = self._recv_one()
+            if resp.id == rid:
+                break
+            self._collect(resp)
+        if not resp.ok:
+            e = resp.error
+            raise KvtierClientError(op, e.code, e.message, e.errno, e.retry_after_ms)
+        return resp.result
+
+    def call(self, req: P.Request) -> Any:
+        """Send one request and wait for its answer; reconnect once if the
+        daemon went away (it may be restarting)."""
+        for attempt in (0, 1):
+            try:
+                if self.sock is None:
+                    self._reconnect()
+                return self._call_once(req)
+            except (ConnectionError, BrokenPipeError) as e:
+                if attempt or isinstance(e, DaemonUnavailable):
+                    raise
+                self._reconnect()
+
+    def request(self, op: str, **fields: Any) -> Any:
+        """Any op by name (kvtierctl uses this): ``request("status")``."""
+        try:
+            t = P.OPS[op]
+        except KeyError:
+            raise ValueError(f"unknown op {op!r}") from None
+        return self.call(msgspec.convert(fields, t) if fields else t())
+
+    # -- API -------------------------------------------------------------
+
+    def register(
+        self,
+        obj: Any = None,
+        length: int | None = None,
+        *,
+        addr: int | None = None,
+        block_size: int,
+        name: str = "",
+        tenant: str = "",
+        priority: int = 0,
+        constraints: Iterable[str] = (),
+        pid: int | None = None,
+    ) -> Region:
+        """Register ``obj`` (a buffer-protocol object) or an address + length."""
+        keep = None
+        if isinstance(obj, int):
+            addr, obj = obj, None
+        if obj is not None:
+            addr, n = buffer_address(obj)
+            length = n if length is None else length
+            keep = obj
+        if addr is None or length is None:
+            raise ValueError("register needs a buffer, or an address and a length")
+        info = self.call(P.Register(
+            start=addr, length=length, block_size=block_size, name=name, tenant=tenant,
+            priority=priority, constraints=list(constraints), pid=pid,
+        ))
+        region = Region(self, info, addr, length, keep)
+        self._regions[region.id] = region
+        return region
+
+    def flush(self) -> list[KvtierClientError]:
+        """Send pending hints of every region, wait for all answers and
+        return (and clear) the errors they produced."""
+        for r in list(self._regions.values()):
+            r.flush()
+        self._drain()
+        errs, self.async_errors = self.async_errors, []
+        return errs
+
+    def stats(self) -> dict:
+        return self.call(P.Stats())
+
+    def status(self) -> dict:
+        return self.call(P.Status())

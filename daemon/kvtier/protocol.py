@@ -1,0 +1,339 @@
+"""The kvtier control protocol, defined once and independent of transport.
+
+Framing: every message is a 4-byte big-endian unsigned length followed by
+that many bytes of one MessagePack map. Requests carry ``op`` (the message
+type) and ``id`` (echoed in the response so a client may pipeline); each op's
+fields are a msgspec Struct below, so validation (types, ranges, lengths) is
+done by msgspec in C rather than by hand. Responses are
+``{"id", "ok": true, "result": {...}}`` or
+``{"id", "ok": false, "error": {"code", "message", "errno"}}``.
+
+Bulk per-block data (hint block indices and counts, query results) travels as
+MessagePack ``bin`` holding packed little-endian arrays (uint32 indices,
+uint32 counts, int8 tiers, float32 temperatures): one memcpy on each side
+instead of a msgpack integer per block. docs/protocol.md is the normative
+description for writers of clients in other languages.
+
+Unknown map keys are ignored so that a newer client may send optional fields
+an older daemon does not know; a new required behaviour bumps
+``PROTOCOL_VERSION`` and is negotiated in ``hello``.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Annotated, Any, Literal, Union
+
+import msgspec
+import numpy as np
+from msgspec import Meta
+
+PROTOCOL_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+HEADER = struct.Struct(">I")
+HEADER_SIZE = HEADER.size
+# The client may send at most this much before the daemon's configured limit
+# is known (hello reports the real one).
+DEFAULT_MAX_MESSAGE = 16 * 1024 * 1024
+
+CAPABILITIES = (
+    "register", "hint", "phase", "query", "stats", "pidfd-lifetime", "persist",
+    "status", "tiers", "regions", "blocks", "migrate", "pin", "explain",
+)
+
+# Wire dtypes of packed arrays (explicit little-endian: the wire format does
+# not depend on the host).
+BLOCKS_DTYPE = np.dtype("<u4")
+COUNTS_DTYPE = np.dtype("<u4")
+TIERS_DTYPE = np.dtype("i1")
+TEMPS_DTYPE = np.dtype("<f4")
+FLAGS_DTYPE = np.dtype("u1")
+TIMES_DTYPE = np.dtype("<f8")
+
+# User-space addresses are below 2**57 (5-level paging); msgspec bounds are int64.
+U64 = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
+Pos64 = Annotated[int, Meta(ge=1, le=(1 << 63) - 1)]
+RegionId = Annotated[int, Meta(ge=1, le=(1 << 31) - 1)]
+BlockIndex = Annotated[int, Meta(ge=0, le=(1 << 32) - 1)]
+ReqId = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
+Pid = Annotated[int, Meta(ge=1, le=(1 << 22))]
+Tier = Annotated[int, Meta(ge=0, le=63)]
+Priority = Annotated[int, Meta(ge=-100, le=100)]
+Name = Annotated[str, Meta(max_length=128)]
+TenantName = Annotated[str, Meta(max_length=64)]
+Constraint = Literal["keep_dram", "never_swap"]
+PhaseName = Literal["prefill_done", "active", "free"]
+# Packed arrays: the msgpack bin's own length is bounded by the frame limit.
+Packed = bytes
+
+
+class Request(msgspec.Struct, tag_field="op", kw_only=True, omit_defaults=True):
+    id: ReqId = 0
+
+
+class Hello(Request, tag="hello"):
+    versions: Annotated[list[Annotated[int, Meta(ge=0, le=65535)]], Meta(max_length=16)] = msgspec.field(
+        default_factory=lambda: [PROTOCOL_VERSION]
+    )
+    client: Annotated[str, Meta(max_length=128)] = ""
+
+
+class Register(Request, tag="register"):
+    start: U64
+    length: Pos64
+    block_size: Pos64
+    name: Name = ""
+    tenant: TenantName = ""
+    priority: Priority = 0
+    constraints: Annotated[list[Constraint], Meta(max_length=8)] = []
+    # Register memory of another process: root / admin_group only.
+    pid: Pid | None = None
+
+
+class Unregister(Request, tag="unregister"):
+    region: RegionId
+
+
+class Hint(Request, tag="hint"):
+    region: RegionId
+    blocks: Packed  # <u4 block indices
+    counts: Packed | None = None  # <u4, same length as blocks; absent = 1 each
+
+
+class Phase(Request, tag="phase"):
+    region: RegionId
+    phase: PhaseName
+    blocks: Packed | None = None  # <u4 block indices; absent = whole region
+
+
+class Query(Request, tag="query"):
+    region: RegionId
+    first: BlockIndex = 0
+    count: BlockIndex | None = None
+
+
+class Stats(Request, tag="stats"):
+    pass
+
+
+class Status(Request, tag="status"):
+    pass
+
+
+class Tiers(Request, tag="tiers"):
+    pass
+
+
+class Regions(Request, tag="regions"):
+    pid: Pid | None = None
+
+
+class Blocks(Request, tag="blocks"):
+    region: RegionId
+    first: BlockIndex = 0
+    count: BlockIndex | None = None
+
+
+class Migrate(Request, tag="migrate"):
+    region: RegionId
+    tier: Tier
+    blocks: Packed | None = None
+
+
+class Pin(Request, tag="pin"):
+    region: RegionId
+    tier: Tier | None = None  # None: pin where the block is now
+    blocks: Packed | None = None
+
+
+class Unpin(Request, tag="unpin"):
+    region: RegionId
+    blocks: Packed | None = None
+
+
+class Explain(Request, tag="explain"):
+    region: RegionId
+    block: BlockIndex
+
+
+AnyRequest = Union[
+    Hello, Register, Unregister, Hint, Phase, Query, Stats, Status, Tiers, Regions,
+    Blocks, Migrate, Pin, Unpin, Explain,
+]
+REQUEST_TYPES: tuple[type[Request], ...] = AnyRequest.__args__  # type: ignore[attr-defined]
+OPS = {t.__struct_config__.tag: t for t in REQUEST_TYPES}
+# Ops that change placement or another client's state: owner, root or admin.
+OPERATOR_OPS = frozenset({"migrate", "pin", "unpin"})
+
+
+class ErrorBody(msgspec.Struct, omit_defaults=True):
+    code: str
+    message: str
+    errno: int = 0
+    retry_after_ms: int = 0
+
+
+class Response(msgspec.Struct, omit_defaults=True):
+    id: int
+    ok: bool
+    result: Any = None
+    error: ErrorBody | None = None
+
+
+class _IdOnly(msgspec.Struct):
+    """Salvages the request id from a map that failed validation."""
+
+    id: Any = 0
+
+
+# Error codes (stable strings; docs/protocol.md lists them).
+E_BAD_FRAME = "bad_frame"
+E_TOO_LARGE = "message_too_large"
+E_INVALID_REQUEST = "invalid_request"
+E_UNSUPPORTED_VERSION = "unsupported_version"
+E_INVALID_ARGUMENT = "invalid_argument"
+E_RANGE_NOT_MAPPED = "range_not_mapped"
+E_PERMISSION = "permission_denied"
+E_NOT_FOUND = "not_found"
+E_OVERLAP = "overlap"
+E_LIMIT = "limit_exceeded"
+E_RATE = "rate_limited"
+E_PROCESS_GONE = "process_gone"
+E_FEATURE = "feature_unavailable"
+E_OS = "os_error"
+E_UNAVAILABLE = "unavailable"
+E_INTERNAL = "internal_error"
+ERROR_CODES = (
+    E_BAD_FRAME, E_TOO_LARGE, E_INVALID_REQUEST, E_UNSUPPORTED_VERSION, E_INVALID_ARGUMENT,
+    E_RANGE_NOT_MAPPED, E_PERMISSION, E_NOT_FOUND, E_OVERLAP, E_LIMIT, E_RATE,
+    E_PROCESS_GONE, E_FEATURE, E_OS, E_UNAVAILABLE, E_INTERNAL,
+)
+
+
+class ProtocolError(Exception):
+    """A request the daemon refuses; becomes an error response.
+
+    ``fatal`` errors (bad framing) also close the connection, because the
+    byte stream can no longer be trusted to be at a frame boundary.
+    """
+
+    def __init__(self, code: str, message: str, *, errno: int = 0, fatal: bool = False,
+                 retry_after_ms: int = 0, req_id: int = 0):
+        super().__init__(message)
+        self.code = code
+        self.errno = errno
+        self.fatal = fatal
+        self.retry_after_ms = retry_after_ms
+        self.req_id = req_id
+
+    def body(self) -> ErrorBody:
+        return ErrorBody(self.code, str(self), self.errno, self.retry_after_ms)
+
+
+_req_decoder = msgspec.msgpack.Decoder(AnyRequest)
+_id_decoder = msgspec.msgpack.Decoder(_IdOnly)
+_resp_decoder = msgspec.msgpack.Decoder(Response)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def decode_request(payload: bytes | memoryview) -> Request:
+    """One frame's payload to a validated Request, or ProtocolError carrying
+    whatever request id could be salvaged."""
+    try:
+        return _req_decoder.decode(payload)
+    except msgspec.ValidationError as e:
+        raise ProtocolError(E_INVALID_REQUEST, str(e), req_id=_salvage_id(payload)) from None
+    except msgspec.DecodeError as e:
+        raise ProtocolError(E_INVALID_REQUEST, f"malformed msgpack: {e}") from None
+
+
+def _salvage_id(payload: bytes | memoryview) -> int:
+    try:
+        rid = _id_decoder.decode(payload).id
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return 0
+    return rid if isinstance(rid, int) and 0 <= rid < (1 << 63) else 0
+
+
+def frame(payload: bytes) -> bytes:
+    return HEADER.pack(len(payload)) + payload
+
+
+def encode_request(req: Request) -> bytes:
+    return frame(_encoder.encode(req))
+
+
+def encode_response(resp: Response) -> bytes:
+    return frame(_encoder.encode(resp))
+
+
+def ok(req_id: int, result: Any = None) -> bytes:
+    return encode_response(Response(req_id, True, result if result is not None else {}))
+
+
+def error(req_id: int, err: ProtocolError) -> bytes:
+    return encode_response(Response(req_id, False, None, err.body()))
+
+
+def decode_response(payload: bytes | memoryview) -> Response:
+    return _resp_decoder.decode(payload)
+
+
+class FrameReader:
+    """Splits a byte stream into frame payloads; transport-agnostic.
+
+    ``feed`` returns complete payloads (memoryviews into an internal buffer,
+    valid until the next feed). An announced length above ``max_size`` raises
+    a fatal ProtocolError before the body is buffered, so an oversized frame
+    costs the daemon 4 bytes, not its memory.
+    """
+
+    def __init__(self, max_size: int = DEFAULT_MAX_MESSAGE):
+        self.max_size = max_size
+        self.buf = bytearray()
+
+    def feed(self, data: bytes) -> list[bytes]:
+        buf = self.buf
+        buf += data
+        out = []
+        pos = 0
+        n = len(buf)
+        while n - pos >= HEADER_SIZE:
+            (size,) = HEADER.unpack_from(buf, pos)
+            if size > self.max_size:
+                raise ProtocolError(
+                    E_TOO_LARGE,
+                    f"frame of {size} bytes exceeds the limit of {self.max_size}",
+                    fatal=True,
+                )
+            if size == 0:
+                raise ProtocolError(E_BAD_FRAME, "empty frame", fatal=True)
+            end = pos + HEADER_SIZE + size
+            if end > n:
+                break
+            out.append(bytes(buf[pos + HEADER_SIZE : end]))
+            pos = end
+        if pos:
+            del buf[:pos]
+        return out
+
+    @property
+    def pending(self) -> int:
+        return len(self.buf)
+
+
+def pack_blocks(blocks: Any) -> bytes:
+    return np.ascontiguousarray(blocks, dtype=BLOCKS_DTYPE).tobytes()
+
+
+def unpack(data: bytes | None, dtype: np.dtype, what: str) -> np.ndarray | None:
+    """A packed array field to numpy (zero-copy); ProtocolError if its byte
+    length is not a whole number of elements."""
+    if data is None:
+        return None
+    if len(data) % dtype.itemsize:
+        raise ProtocolError(
+            E_INVALID_ARGUMENT,
+            f"{what}: {len(data)} bytes is not a multiple of {dtype.itemsize} ({dtype.str})",
+        )
+    return np.frombuffer(data, dtype=dtype)

@@ -1,0 +1,364 @@
+"""Registered regions: per-region metadata in Python, per-block state in the BlockTable.
+
+A region is one contiguous range of one process's memory, cut into
+fixed-size KV blocks. The registry checks a registration against the
+process's mappings, enforces per-process limits, owns the region's slice of
+the ``BlockTable`` and watches the process so that its exit drops its
+regions. Everything here runs on the daemon's event-loop thread; the engine's
+worker thread sees only snapshots.
+
+Process identity is (pid, start time): a pid alone is reused by the kernel,
+so the state file and the liveness checks always compare both.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Protocol
+
+import numpy as np
+
+from kvtier import procfs
+from kvtier.blocks import (
+    F_KEEP_DRAM,
+    F_MANUAL_PIN,
+    F_NEVER_SWAP,
+    F_PREFILL_DONE,
+    BlockTable,
+)
+from kvtier.hotness import SOURCE_WEIGHTS, Temperature
+from kvtier.errors import InvalidArgument, KvtierError, ProcessGone
+from kvtier.stats import DaemonStats
+
+log = logging.getLogger("kvtier.registry")
+
+CONSTRAINT_FLAGS = {"keep_dram": F_KEEP_DRAM, "never_swap": F_NEVER_SWAP}
+MIN_BLOCK_SIZE = 4096
+
+
+class NotFound(KvtierError, LookupError):
+    code = "not_found"
+
+
+class LimitExceeded(KvtierError):
+    code = "limit_exceeded"
+
+
+class Overlap(KvtierError):
+    code = "overlap"
+
+
+class PidWatcher(Protocol):
+    """Calls back when a process exits (the daemon's implementation puts a
+    pidfd in the event loop; a pidfd becomes readable when the process exits)."""
+
+    def watch(self, pid: int, on_exit: Callable[[int], None]) -> None: ...
+
+    def unwatch(self, pid: int) -> None: ...
+
+
+@dataclass
+class Region:
+    id: int
+    pid: int
+    start_time: int
+    start: int
+    length: int
+    block_size: int
+    nblocks: int
+    name: str
+    tenant: str
+    tenant_id: int
+    priority: int
+    constraints: tuple[str, ...]
+    owner_uid: int
+    registered_at: float = field(default_factory=time.time)
+    block_hints: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["constraints"] = list(self.constraints)
+        return d
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_regions_per_process: int = 4096
+    max_bytes_per_process: int = 1 << 46
+    max_blocks_per_region: int = 1 << 22
+    max_blocks_total: int = 1 << 24
+
+
+class Registry:
+    def __init__(
+        self,
+        table: BlockTable,
+        limits: Limits,
+        stats: DaemonStats,
+        temperature: Temperature,
+        watcher: PidWatcher | None = None,
+        proc_root: str = "/proc",
+        on_change: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.table = table
+        self.limits = limits
+        self.stats = stats
+        self.temperature = temperature
+        self.watcher = watcher
+        self.proc_root = proc_root
+        self.on_change = on_change or (lambda: None)
+        self.clock = clock
+        self.regions: dict[int, Region] = {}
+        self.by_pid: dict[int, set[int]] = {}
+        self.pid_start: dict[int, int] = {}
+        self.tenants: dict[str, int] = {"": 0}
+        self.next_id = 1
+
+    # -- registration ----------------------------------------------------
+
+    def tenant_id(self, name: str) -> int:
+        tid = self.tenants.get(name)
+        if tid is None:
+            tid = len(self.tenants)
+            if tid > np.iinfo(np.int16).max:
+                raise LimitExceeded(f"too many distinct tenants ({tid})")
+            self.tenants[name] = tid
+        return tid
+
+    def add(
+        self,
+        pid: int,
+        start: int,
+        length: int,
+        block_size: int,
+        *,
+        name: str = "",
+        tenant: str = "",
+        priority: int = 0,
+        constraints: tuple[str, ...] | list[str] = (),
+        owner_uid: int = 0,
+        start_time: int | None = None,
+        region_id: int | None = None,
+    ) -> Region:
+        """Validate and add a region. ``start_time`` (re-adoption) must match
+        the live process's; ``region_id`` keeps the id a client already holds."""
+        lim = self.limits
+        if block_size < MIN_BLOCK_SIZE:
+            raise InvalidArgument(f"block_size {block_size} is below the minimum {MIN_BLOCK_SIZE}")
+        if length < block_size:
+            raise InvalidArgument(f"length {length} is smaller than block_size {block_size}")
+        nblocks = -(-length // block_size)
+        if nblocks > lim.max_blocks_per_region:
+            raise LimitExceeded(
+                f"region of {nblocks} blocks exceeds limits.max_blocks_per_region={lim.max_blocks_per_region}"
+            )
+        if len(self.table) + nblocks > lim.max_blocks_total:
+            raise LimitExceeded(
+                f"daemon holds {len(self.table)} blocks; {nblocks} more exceed "
+                f"limits.max_blocks_total={lim.max_blocks_total}"
+            )
+        mine = [self.regions[r] for r in self.by_pid.get(pid, ())]
+        if len(mine) + 1 > lim.max_regions_per_process:
+            raise LimitExceeded(
+                f"pid {pid} already has {len(mine)} regions (limits.max_regions_per_process)"
+            )
+        held = sum(r.length for r in mine)
+        if held + length > lim.max_bytes_per_process:
+            raise LimitExceeded(
+                f"pid {pid} holds {held} bytes; {length} more exceed limits.max_bytes_per_process="
+                f"{lim.max_bytes_per_process}"
+            )
+        for r in mine:
+            if start < r.end and r.start < start + length:
+                raise Overlap(
+                    f"range 0x{start:x}+{length} overlaps region {r.id} "
+                    f"(0x{r.start:x}+{r.length}) of pid {pid}"
+                )
+        # The process must be the one we think it is *before* its maps are
+        # trusted: read the start time, then the maps, then the start time
+        # again is unnecessary because the pidfd opened by watch() below pins
+        # the identity; a mismatch with a remembered start time means reuse.
+        live_start = procfs.read_start_time(pid, self.proc_root)
+        if start_time is not None and live_start != start_time:
+            raise ProcessGone(errno.ESRCH, f"adopt pid {pid}", "pid was reused by another process")
+        procfs.check_range(procfs.read_maps(pid, self.proc_root), start, length)
+        if pid not in self.by_pid and self.watcher is not None:
+            self.watcher.watch(pid, self.drop_pid)
+        if region_id is None:
+            region_id = self.next_id
+        elif region_id in self.regions:
+            raise Overlap(f"region id {region_id} already in use")
+        self.next_id = max(self.next_id, region_id + 1)
+        flags = 0
+        for c in constraints:
+            flags |= CONSTRAINT_FLAGS[c]
+        tid = self.tenant_id(tenant)
+        self.table.add_region(
+            region_id, pid, start, length, block_size, flags=flags, priority=priority, tenant=tid
+        )
+        reg = Region(
+            id=region_id, pid=pid, start_time=live_start, start=start, length=length,
+            block_size=block_size, nblocks=nblocks, name=name, tenant=tenant, tenant_id=tid,
+            priority=priority, constraints=tuple(constraints), owner_uid=owner_uid,
+        )
+        self.regions[region_id] = reg
+        self.by_pid.setdefault(pid, set()).add(region_id)
+        self.pid_start[pid] = live_start
+        self.stats.regions_registered_total += 1
+        self._gauges()
+        self.on_change()
+        return reg
+
+    def get(self, region_id: int) -> Region:
+        reg = self.regions.get(region_id)
+        if reg is None:
+            raise NotFound(f"no region {region_id}")
+        return reg
+
+    def remove(self, region_id: int) -> Region:
+        reg = self.get(region_id)
+        self.table.remove_region(region_id)
+        del self.regions[region_id]
+        ids = self.by_pid[reg.pid]
+        ids.discard(region_id)
+        if not ids:
+            del self.by_pid[reg.pid]
+            self.pid_start.pop(reg.pid, None)
+            if self.watcher is not None:
+                self.watcher.unwatch(reg.pid)
+        self.stats.regions_unregistered_total += 1
+        self._gauges()
+        self.on_change()
+        return reg
+
+    def drop_pid(self, pid: int) -> int:
+        """The process exited: forget all of its regions."""
+        ids = list(self.by_pid.get(pid, ()))
+        for rid in ids:
+            self.remove(rid)
+        if ids:
+            self.stats.regions_dropped_exit_total += len(ids)
+            log.info("pid %d exited: dropped %d region(s)", pid, len(ids))
+        return len(ids)
+
+    def _gauges(self) -> None:
+        s = self.stats
+        s.regions = len(self.regions)
+        s.processes = len(self.by_pid)
+        s.blocks = len(self.table)
+        s.registered_bytes = sum(r.length for r in self.regions.values())
+
+    # -- per-block input -------------------------------------------------
+
+    def rows(self, region_id: int, blocks: np.ndarray | None) -> np.ndarray:
+        """BlockTable rows of a region's blocks (all when ``blocks`` is None);
+        InvalidArgument if an index is out of range."""
+        reg = self.get(region_id)
+        s = self.table.slices[region_id]
+        if blocks is None:
+            return np.arange(s.start, s.stop, dtype=np.int64)
+        if blocks.size and int(blocks.max()) >= reg.nblocks:
+            raise InvalidArgument(
+                f"block index {int(blocks.max())} out of range: region {region_id} has {reg.nblocks} blocks"
+            )
+        return blocks.astype(np.int64) + s.start
+
+    def hint(self, region_id: int, blocks: np.ndarray, counts: np.ndarray | None) -> int:
+        """Fold access hints into temperature as they arrive: one vectorised
+        add per message, so no per-block Python work and no queue that grows
+        between ticks."""
+        rows = self.rows(region_id, blocks)
+        if counts is not None and counts.size != blocks.size:
+            raise InvalidArgument(f"counts has {counts.size} entries, blocks {blocks.size}")
+        self.temperature.add(self.table, rows, 1.0 if counts is None else counts, self.clock(),
+                             SOURCE_WEIGHTS["hint"])
+        n = int(blocks.size)
+        self.regions[region_id].block_hints += n
+        self.stats.block_hints_total += n
+        return n
+
+    def phase(self, region_id: int, phase: str, blocks: np.ndarray | None) -> int:
+        rows = self.rows(region_id, blocks)
+        flags = self.table.flags
+        if phase == "prefill_done":
+            flags[rows] |= np.uint8(F_PREFILL_DONE)
+        elif phase == "active":
+            flags[rows] &= np.uint8(~F_PREFILL_DONE & 0xFF)
+        elif phase == "free":
+            # Freed blocks hold no live KV data: coldest possible, first to go.
+            flags[rows] |= np.uint8(F_PREFILL_DONE)
+            self.table.temp[rows] = 0.0
+        else:
+            raise InvalidArgument(f"unknown phase {phase!r}")
+        return int(rows.size)
+
+    def pin(self, region_id: int, blocks: np.ndarray | None, tier: int | None) -> int:
+        rows = self.rows(region_id, blocks)
+        t = self.table
+        t.flags[rows] |= np.uint8(F_MANUAL_PIN)
+        # pin_tier = -1 means "where it is now" to the policy.
+        t.pin_tier[rows] = -1 if tier is None else tier
+        return int(rows.size)
+
+    def unpin(self, region_id: int, blocks: np.ndarray | None) -> int:
+        rows = self.rows(region_id, blocks)
+        t = self.table
+        t.flags[rows] &= np.uint8(~F_MANUAL_PIN & 0xFF)
+        t.pin_tier[rows] = -1
+        return int(rows.size)
+
+    # -- persistence -----------------------------------------------------
+
+    STATE_KEYS = ("id", "pid", "start_time", "start", "length", "block_size", "name",
+                  "tenant", "priority", "constraints", "owner_uid", "registered_at")
+
+    def to_state(self) -> list[dict]:
+        out = []
+        for r in self.regions.values():
+            d = {k: getattr(r, k) for k in self.STATE_KEYS}
+            d["constraints"] = list(r.constraints)
+            out.append(d)
+        return out
+
+    def adopt(self, entries: list[dict], next_id: int = 1) -> tuple[int, int]:
+        """Re-add regions from the state file whose process is still the same
+        one (pid and start time) and whose range is still mapped. Returns
+        (adopted, dropped)."""
+        self.next_id = max(self.next_id, next_id)
+        adopted = dropped = 0
+        for e in entries:
+            try:
+                reg = self.add(
+                    int(e["pid"]), int(e["start"]), int(e["length"]), int(e["block_size"]),
+                    name=str(e.get("name", "")), tenant=str(e.get("tenant", "")),
+                    priority=int(e.get("priority", 0)),
+                    constraints=tuple(c for c in e.get("constraints", ()) if c in CONSTRAINT_FLAGS),
+                    owner_uid=int(e.get("owner_uid", 0)), start_time=int(e["start_time"]),
+                    region_id=int(e["id"]),
+                )
+                reg.registered_at = float(e.get("registered_at", reg.registered_at))
+                adopted += 1
+            except (KvtierError, OSError, KeyError, TypeError, ValueError) as err:
+                dropped += 1
+                log.info("not re-adopting region %s of pid %s: %s", e.get("id"), e.get("pid"), err)
+        self.stats.regions_adopted_total += adopted
+        self.stats.regions_stale_total += dropped
+        return adopted, dropped
+
+    def check_alive(self) -> int:
+        """Drop regions of processes that are gone or were replaced: a
+        backstop for a missed pidfd event (and the only check when pidfd is
+        unavailable)."""
+        gone = [
+            pid for pid, st in self.pid_start.items()
+            if not procfs.process_alive(pid, st, self.proc_root)
+        ]
+        return sum(self.drop_pid(pid) for pid in gone)

@@ -1,0 +1,532 @@
+"""The unix-socket transport and the control API it serves.
+
+``ControlAPI`` implements every protocol op against the registry and the
+engine; it knows nothing about sockets, so the same methods could be served
+over another transport. ``Server`` owns the listening socket (created here or
+passed by systemd socket activation), authenticates each connection with
+SO_PEERCRED, splits the stream into frames and enforces per-connection limits
+(message size, request rate) before a request reaches the API.
+
+Everything runs on the daemon's asyncio loop thread using Protocol callbacks
+(no coroutine per request): a request is decoded, handled and answered inside
+one ``data_received`` call, which is what keeps the register round trip far
+below a millisecond. Slow work (migrations) is never done here; the engine
+runs it on a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import grp
+import logging
+import os
+import pwd
+import socket
+import stat
+import struct
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from kvtier import native, protocol as P
+from kvtier.errors import KvtierError, KvtierOSError, PermissionDenied, ProcessGone, os_error
+from kvtier.registry import Region, Registry
+from kvtier.stats import DaemonStats
+
+log = logging.getLogger("kvtier.server")
+
+SERVER_NAME = "kvtierd"
+SD_LISTEN_FDS_START = 3
+_PEERCRED = struct.Struct("3i")
+# Stop reading from a client whose unread responses exceed this: a client
+# that pipelines without reading must not grow the daemon's memory.
+WRITE_HIGH_WATER = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Peer:
+    pid: int
+    uid: int
+    gid: int
+    privileged: bool  # root or member of security.admin_group
+
+
+def group_gid(name: str) -> int | None:
+    if not name:
+        return None
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        if name.isdigit():
+            return int(name)
+        raise
+
+
+def is_privileged(uid: int, gid: int, admin_gid: int | None) -> bool:
+    if uid == 0:
+        return True
+    if admin_gid is None:
+        return False
+    if gid == admin_gid:
+        return True
+    # Supplementary groups of the peer's user, as the group database knows
+    # them (SO_PEERCRED carries only the primary gid).
+    try:
+        name = pwd.getpwuid(uid).pw_name
+        return admin_gid in os.getgrouplist(name, gid)
+    except KeyError:
+        return False
+
+
+def _error_of(exc: BaseException) -> P.ProtocolError:
+    """Map typed daemon errors to wire errors; anything else is internal."""
+    if isinstance(exc, P.ProtocolError):
+        return exc
+    if isinstance(exc, KvtierOSError):
+        return P.ProtocolError(exc.code, str(exc), errno=exc.errno or 0)
+    if isinstance(exc, KvtierError):
+        return P.ProtocolError(exc.code, str(exc))
+    if isinstance(exc, OSError):
+        return P.ProtocolError(P.E_OS, str(exc), errno=exc.errno or 0)
+    return P.ProtocolError(P.E_INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+class ControlAPI:
+    """One method per op: ``handle(peer, request) -> result``. Raises typed
+    errors; the transport turns them into error responses."""
+
+    def __init__(self, registry: Registry, engine: Any, stats: DaemonStats,
+                 max_message_bytes: int, version: str = "0"):
+        self.registry = registry
+        self.engine = engine
+        self.stats = stats
+        self.max_message_bytes = max_message_bytes
+        self.version = version
+        self._handlers: dict[type, Callable[[Peer, Any], Any]] = {
+            t: getattr(self, "op_" + op) for op, t in P.OPS.items()
+        }
+
+    def handle(self, peer: Peer, req: P.Request) -> Any:
+        return self._handlers[type(req)](peer, req)
+
+    # -- authorisation ---------------------------------------------------
+
+    def _own(self, peer: Peer, region_id: int) -> Region:
+        """The region, if ``peer`` registered it, runs as its owner, or is privileged."""
+        reg = self.registry.get(region_id)
+        if peer.pid == reg.pid or peer.uid == reg.owner_uid or peer.privileged:
+            return reg
+        raise PermissionDenied(errno.EPERM, f"access region {region_id}",
+                               f"owned by uid {reg.owner_uid}, you are uid {peer.uid}")
+
+    # -- client ops ------------------------------------------------------
+
+    def op_hello(self, peer: Peer, req: P.Hello) -> dict:
+        common = sorted(set(req.versions) & set(P.SUPPORTED_VERSIONS))
+        if not common:
+            raise P.ProtocolError(
+                P.E_UNSUPPORTED_VERSION,
+                f"no common protocol version: client {req.versions}, daemon {list(P.SUPPORTED_VERSIONS)}",
+            )
+        return {
+            "version": common[-1],
+            "versions": list(P.SUPPORTED_VERSIONS),
+            "server": SERVER_NAME,
+            "server_version": self.version,
+            "capabilities": list(P.CAPABILITIES),
+            "max_message_bytes": self.max_message_bytes,
+            "page_size": native.PAGE_SIZE,
+            "pid": peer.pid,
+            "uid": peer.uid,
+            "privileged": peer.privileged,
+        }
+
+    def op_register(self, peer: Peer, req: P.Register) -> dict:
+        pid = peer.pid if req.pid is None else req.pid
+        if pid != peer.pid and not peer.privileged:
+            raise PermissionDenied(
+                errno.EPERM, f"register memory of pid {pid}",
+                "only root or security.admin_group may register another process's memory",
+            )
+        reg = self.registry.add(
+            pid, req.start, req.length, req.block_size, name=req.name, tenant=req.tenant,
+            priority=req.priority, constraints=tuple(dict.fromkeys(req.constraints)),
+            owner_uid=peer.uid,
+        )
+        return {"region": reg.id, "blocks": reg.nblocks, "block_size": reg.block_size, "pid": pid}
+
+    def op_unregister(self, peer: Peer, req: P.Unregister) -> dict:
+        self._own(peer, req.region)
+        self.registry.remove(req.region)
+        return {}
+
+    def op_hint(self, peer: Peer, req: P.Hint) -> dict:
+        self._own(peer, req.region)
+        blocks = P.unpack(req.blocks, P.BLOCKS_DTYPE, "blocks")
+        counts = P.unpack(req.counts, P.COUNTS_DTYPE, "counts")
+        return {"accepted": self.registry.hint(req.region, blocks, counts)}
+
+    def op_phase(self, peer: Peer, req: P.Phase) -> dict:
+        self._own(peer, req.region)
+        blocks = P.unpack(req.blocks, P.BLOCKS_DTYPE, "blocks")
+        return {"blocks": self.registry.phase(req.region, req.phase, blocks)}
+
+    def _range(self, reg: Region, first: int, count: int | None) -> slice:
+        if first > reg.nblocks:
+            raise P.ProtocolError(P.E_INVALID_ARGUMENT,
+                                  f"first {first} beyond region {reg.id}'s {reg.nblocks} blocks")
+        stop = reg.nblocks if count is None else min(reg.nblocks, first + count)
+        s = self.registry.table.slices[reg.id]
+        return slice(s.start + first, s.start + stop)
+
+    def op_query(self, peer: Peer, req: P.Query) -> dict:
+        reg = self._own(peer, req.region)
+        sl = self._range(reg, req.first, req.count)
+        tiers = self.registry.table.tier[sl]
+        return {"region": reg.id, "first": req.first, "tiers": tiers.astype(P.TIERS_DTYPE).tobytes(),
+                "tier_names": self.engine.tier_names()}
+
+    def op_stats(self, peer: Peer, req: P.Stats) -> dict:
+        return self.stats.to_dict()
+
+    # -- operator ops ----------------------------------------------------
+
+    def op_status(self, peer: Peer, req: P.Status) -> dict:
+        s = self.stats
+        return {
+            "server": SERVER_NAME, "server_version": self.version, "pid": os.getpid(),
+            "uptime_s": time.monotonic() - s.started_mono,
+            "regions": s.regions, "processes": s.processes, "blocks": s.blocks,
+            "registered_bytes": s.registered_bytes, "connections": s.connections_open,
+            "engine": self.engine.status(),
+        }
+
+    def op_tiers(self, peer: Peer, req: P.Tiers) -> dict:
+        return {"tiers": self.engine.tiers()}
+
+    def op_regions(self, peer: Peer, req: P.Regions) -> dict:
+        table = self.registry.table
+        out = []
+        for r in self.registry.regions.values():
+            if req.pid is not None and r.pid != req.pid:
+                continue
+            if not (peer.privileged or r.owner_uid == peer.uid or r.pid == peer.pid):
+                continue
+            d = r.to_dict()
+            tiers = table.region_view(r.id, "tier")
+            vals, counts = np.unique(tiers, return_counts=True)
+            d["blocks_by_tier"] = {str(int(v)): int(c) for v, c in zip(vals, counts)}
+            d["temp_sum"] = float(table.region_view(r.id, "temp").sum())
+            out.append(d)
+        return {"regions": out}
+
+    def op_blocks(self, peer: Peer, req: P.Blocks) -> dict:
+        reg = self._own(peer, req.region)
+        sl = self._range(reg, req.first, req.count)
+        t = self.registry.table
+        return {
+            "region": reg.id, "first": req.first,
+            "tiers": t.tier[sl].astype(P.TIERS_DTYPE).tobytes(),
+            "temps": t.temp[sl].astype(P.TEMPS_DTYPE).tobytes(),
+            "flags": t.flags[sl].astype(P.FLAGS_DTYPE).tobytes(),
+            "last_access_age": (self.registry.clock() - t.last_access[sl]).astype(P.TIMES_DTYPE).tobytes(),
+            "tier_names": self.engine.tier_names(),
+        }
+
+    def op_migrate(self, peer: Peer, req: P.Migrate) -> dict:
+        self._own(peer, req.region)
+        rows = self.registry.rows(req.region, P.unpack(req.blocks, P.BLOCKS_DTYPE, "blocks"))
+        return {"queued": self.engine.request_move(rows, req.tier)}
+
+    def op_pin(self, peer: Peer, req: P.Pin) -> dict:
+        self._own(peer, req.region)
+        self.engine.check_tier(req.tier)
+        return {"blocks": self.registry.pin(req.region, P.unpack(req.blocks, P.BLOCKS_DTYPE, "blocks"), req.tier)}
+
+    def op_unpin(self, peer: Peer, req: P.Unpin) -> dict:
+        self._own(peer, req.region)
+        return {"blocks": self.registry.unpin(req.region, P.unpack(req.blocks, P.BLOCKS_DTYPE, "blocks"))}
+
+    def op_explain(self, peer: Peer, req: P.Explain) -> dict:
+        reg = self._own(peer, req.region)
+        if req.block >= reg.nblocks:
+            raise P.ProtocolError(P.E_INVALID_ARGUMENT,
+                                  f"block {req.block} out of range: region {reg.id} has {reg.nblocks}")
+        row = self.registry.table.slices[reg.id].start + req.block
+        return {"region": reg.id, "block": req.block, "text": self.engine.explain(row)}
+
+
+class TokenBucket:
+    """requests_per_second sustained, ``burst`` at once."""
+
+    __slots__ = ("rate", "burst", "tokens", "last")
+
+    def __init__(self, rate: float, burst: int):
+        self.rate = rate
+        self.burst = float(burst)
+        self.tokens = float(burst)
+        self.last = time.monotonic()
+
+    def take(self) -> float:
+        """0 if a token was taken, else seconds until one is available."""
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.last) * self.rate)
+        self.last = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return 0.0
+        return (1.0 - self.tokens) / self.rate
+
+
+class Connection(asyncio.Protocol):
+    def __init__(self, server: "Server"):
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self.peer: Peer | None = None
+        self.reader = P.FrameReader(server.max_message_bytes)
+        self.bucket = TokenBucket(server.requests_per_second, server.request_burst)
+        self.closing = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        self.peer = Peer(pid, uid, gid, is_privileged(uid, gid, self.server.admin_gid))
+        refuse = self.server.admit(self)
+        if refuse:
+            self._fail(P.ProtocolError(P.E_LIMIT, refuse, fatal=True))
+            return
+        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.release(self)
+
+    # Backpressure: when the client stops reading responses, stop reading requests.
+    def pause_writing(self) -> None:
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.transport is not None and not self.closing:
+            self.transport.resume_reading()
+
+    def _fail(self, err: P.ProtocolError) -> None:
+        st = self.server.stats
+        st.errors[("frame", err.code)] += 1
+        if self.transport is not None:
+            self.transport.write(P.error(err.req_id, err))
+            self.closing = True
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self.closing:
+            return
+        st = self.server.stats
+        st.bytes_in += len(data)
+        try:
+            frames = self.reader.feed(data)
+        except P.ProtocolError as e:
+            self._fail(e)
+            return
+        out = []
+        api = self.server.api
+        for payload in frames:
+            op = "?"
+            rid = 0
+            try:
+                wait = self.bucket.take()
+                if wait:
+                    raise P.ProtocolError(
+                        P.E_RATE, f"more than {self.bucket.rate:g} requests/s (limits.requests_per_second)",
+                        retry_after_ms=max(1, int(wait * 1000)), req_id=P._salvage_id(payload),
+                    )
+                req = P.decode_request(payload)
+                rid = req.id
+                op = req.__struct_config__.tag
+                st.requests[op] += 1
+                out.append(P.ok(rid, api.handle(self.peer, req)))
+            except Exception as exc:  # every failure becomes an answer, never a crash
+                err = _error_of(exc)
+                if err.code == P.E_INTERNAL:
+                    log.exception("internal error serving %s from pid %s", op, self.peer.pid)
+                st.errors[(op, err.code)] += 1
+                out.append(P.error(rid or err.req_id, err))
+        if out:
+            blob = b"".join(out)
+            st.bytes_out += len(blob)
+            self.transport.write(blob)
+
+
+class PidfdWatcher:
+    """Registry's PidWatcher: a pidfd per watched process in the event loop.
+
+    A pidfd becomes readable when its process exits, so exit is noticed
+    immediately and without polling; the pidfd also pins the identity (it
+    can never refer to a later process that reuses the pid).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.fds: dict[int, int] = {}
+
+    def watch(self, pid: int, on_exit: Callable[[int], None]) -> None:
+        if not native.HAS_PIDFD_OPEN:
+            return  # Registry.check_alive() polls each tick instead
+        fd = native.pidfd_open(pid)
+        self.fds[pid] = fd
+        self.loop.add_reader(fd, self._fired, pid, on_exit)
+
+    def _fired(self, pid: int, on_exit: Callable[[int], None]) -> None:
+        self.unwatch(pid)
+        on_exit(pid)
+
+    def unwatch(self, pid: int) -> None:
+        fd = self.fds.pop(pid, None)
+        if fd is not None:
+            self.loop.remove_reader(fd)
+            os.close(fd)
+
+    def close(self) -> None:
+        for pid in list(self.fds):
+            self.unwatch(pid)
+
+
+def listen_fds() -> list[int]:
+    """Sockets passed by systemd socket activation (sd_listen_fds(3))."""
+    if os.environ.get("LISTEN_PID") != str(os.getpid()):
+        return []
+    try:
+        n = int(os.environ.get("LISTEN_FDS", "0"))
+    except ValueError:
+        return []
+    for k in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
+        os.environ.pop(k, None)
+    return list(range(SD_LISTEN_FDS_START, SD_LISTEN_FDS_START + n))
+
+
+def bind_unix(path: str, mode: int, group: str) -> socket.socket:
+    """Create the listening socket: replace a stale socket file (never any
+    other kind of file), then chmod/chgrp before listen() so no client can
+    connect with the wrong permissions."""
+    d = os.path.dirname(path)
+    if d:
+        os.makedirs(d, mode=0o755, exist_ok=True)
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISSOCK(st.st_mode):
+            raise os_error(errno.EEXIST, f"bind {path}", "exists and is not a socket")
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.bind(path)
+        gid = group_gid(group)
+        if gid is not None:
+            os.chown(path, -1, gid)
+        os.chmod(path, mode)
+        sock.listen(512)
+    except OSError as e:
+        sock.close()
+        raise os_error(e.errno, f"listen on {path}") from None
+    return sock
+
+
+class Server:
+    def __init__(
+        self,
+        api: ControlAPI,
+        stats: DaemonStats,
+        *,
+        path: str,
+        mode: int = 0o660,
+        group: str = "",
+        admin_group: str = "",
+        max_message_bytes: int = P.DEFAULT_MAX_MESSAGE,
+        requests_per_second: float = 50000.0,
+        request_burst: int = 5000,
+        max_connections: int = 1024,
+        max_connections_per_uid: int = 128,
+        inherited_fds: list[int] | None = None,
+    ):
+        self.api = api
+        self.stats = stats
+        self.path = path
+        self.mode = mode
+        self.group = group
+        self.admin_gid = group_gid(admin_group)
+        self.max_message_bytes = max_message_bytes
+        self.requests_per_second = requests_per_second
+        self.request_burst = request_burst
+        self.max_connections = max_connections
+        self.max_connections_per_uid = max_connections_per_uid
+        self.inherited_fds = inherited_fds or []
+        self.activated = bool(self.inherited_fds)
+        self.conns: set[Connection] = set()
+        self.per_uid: dict[int, int] = {}
+        self._servers: list[asyncio.base_events.Server] = []
+        self._own_socket = False
+
+    def apply_limits(self, limits: Any, admin_group: str) -> None:
+        """SIGHUP: new limits for new connections (existing keep theirs)."""
+        self.max_message_bytes = limits.max_message_bytes
+        self.requests_per_second = limits.requests_per_second
+        self.request_burst = limits.request_burst
+        self.max_connections = limits.max_connections
+        self.max_connections_per_uid = limits.max_connections_per_uid
+        self.admin_gid = group_gid(admin_group)
+        self.api.max_message_bytes = limits.max_message_bytes
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self.inherited_fds:
+            socks = [socket.socket(fileno=fd) for fd in self.inherited_fds]
+        else:
+            socks = [bind_unix(self.path, self.mode, self.group)]
+            self._own_socket = True
+        for s in socks:
+            s.setblocking(False)
+            self._servers.append(await loop.create_unix_server(lambda: Connection(self), sock=s))
+        log.info("listening on %s%s", self.path if self._own_socket else f"fds {self.inherited_fds}",
+                 " (socket activation)" if self.activated else "")
+
+    def admit(self, conn: Connection) -> str:
+        uid = conn.peer.uid
+        st = self.stats
+        if len(self.conns) >= self.max_connections:
+            st.connections_refused += 1
+            return f"daemon has {len(self.conns)} connections (limits.max_connections)"
+        if self.per_uid.get(uid, 0) >= self.max_connections_per_uid:
+            st.connections_refused += 1
+            return f"uid {uid} has {self.per_uid[uid]} connections (limits.max_connections_per_uid)"
+        self.conns.add(conn)
+        self.per_uid[uid] = self.per_uid.get(uid, 0) + 1
+        st.connections_open = len(self.conns)
+        st.connections_total += 1
+        return ""
+
+    def release(self, conn: Connection) -> None:
+        if conn in self.conns:
+            self.conns.discard(conn)
+            uid = conn.peer.uid
+            self.per_uid[uid] -= 1
+            if not self.per_uid[uid]:
+                del self.per_uid[uid]
+        self.stats.connections_open = len(self.conns)
+
+    async def close(self) -> None:
+        for s in self._servers:
+            s.close()
+        for c in list(self.conns):
+            if c.transport is not None:
+                c.transport.close()
+        for s in self._servers:
+            await s.wait_closed()
+        if self._own_socket:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass

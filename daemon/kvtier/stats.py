@@ -1,0 +1,75 @@
+"""Every counter the daemon keeps, in one plain object.
+
+The server and the engine increment it on the event-loop thread; the
+Prometheus collector and the ``stats``/``status`` ops read it at request or
+scrape time. Plain ints and Counters (no locks): all writers run on the loop
+thread, and a reader on another thread sees at worst a value one update old.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DaemonStats:
+    started_wall: float = field(default_factory=time.time)
+    started_mono: float = field(default_factory=time.monotonic)
+    # server
+    requests: collections.Counter = field(default_factory=collections.Counter)  # op -> n
+    errors: collections.Counter = field(default_factory=collections.Counter)  # (op, code) -> n
+    bytes_in: int = 0
+    bytes_out: int = 0
+    connections_open: int = 0
+    connections_total: int = 0
+    connections_refused: int = 0  # over max_connections(_per_uid)
+    # registry
+    regions: int = 0
+    processes: int = 0
+    blocks: int = 0
+    registered_bytes: int = 0
+    regions_registered_total: int = 0
+    regions_unregistered_total: int = 0
+    regions_dropped_exit_total: int = 0  # owner process exited (pidfd)
+    regions_adopted_total: int = 0  # re-adopted from the state file at start
+    regions_stale_total: int = 0  # in the state file but the process is gone
+    block_hints_total: int = 0
+    state_writes_total: int = 0
+    state_write_errors_total: int = 0
+    # engine
+    ticks_total: int = 0
+    tick_seconds_sum: float = 0.0
+    tick_seconds_last: float = 0.0
+    tick_seconds_max: float = 0.0
+    tick_errors_total: int = 0
+    ticks_skipped_busy: int = 0  # act phase skipped: previous migration still running
+    migrations: collections.Counter = field(default_factory=collections.Counter)  # (src, dst) -> blocks
+    migrated_bytes: collections.Counter = field(default_factory=collections.Counter)  # (src, dst) -> bytes
+    migration_failures: collections.Counter = field(default_factory=collections.Counter)  # (src, dst, errno) -> n
+    migration_seconds_sum: float = 0.0
+    residency_scans_total: int = 0
+    config_reloads_total: int = 0
+    config_reload_errors_total: int = 0
+
+    def observe_tick(self, seconds: float) -> None:
+        self.ticks_total += 1
+        self.tick_seconds_sum += seconds
+        self.tick_seconds_last = seconds
+        if seconds > self.tick_seconds_max:
+            self.tick_seconds_max = seconds
+
+    def to_dict(self) -> dict:
+        """Wire/JSON form: counters keyed by strings."""
+        out = {}
+        for k, v in self.__dict__.items():
+            if isinstance(v, collections.Counter):
+                out[k] = {
+                    (":".join(str(x) for x in key) if isinstance(key, tuple) else str(key)): n
+                    for key, n in sorted(v.items(), key=lambda kv: str(kv[0]))
+                }
+            else:
+                out[k] = v
+        out["uptime_s"] = time.monotonic() - self.started_mono
+        return out
