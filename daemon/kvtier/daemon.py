@@ -1,0 +1,341 @@
+"""kvtierd: the composition root and the main loop.
+
+Every collaborator is built here and handed to the ones that use it; no
+module keeps global state. The loop is asyncio's, on the main thread:
+
+    signals ──▶ events ─┐
+    clients ──▶ server ─┼─▶ registry ◀── engine.tick() every tick_interval
+    pidfds ──▶ registry ┘                  └─▶ worker thread: migrator
+
+Signal handlers only set events (SIGTERM/SIGINT: stop, SIGHUP: reload); the
+loop notices them between ticks, within one wakeup. Configuration is fully
+validated (ours, policy's, topology's) before the socket is opened, so a bad
+config fails the start with a message naming the key instead of a running
+daemon that misbehaves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+import tomllib
+from typing import Any
+
+from kvtier import config as C
+from kvtier import hotness, state
+from kvtier import policy as pol
+from kvtier import topology as topo_mod
+from kvtier.blocks import BlockTable
+from kvtier.engine import Engine
+from kvtier.errors import ConfigError, KvtierError
+from kvtier.migrator import Migrator
+from kvtier.registry import Limits, Registry
+from kvtier.sdnotify import Notifier
+from kvtier.server import ControlAPI, PidfdWatcher, Server, listen_fds
+from kvtier.stats import DaemonStats
+
+log = logging.getLogger("kvtierd")
+
+try:
+    from importlib.metadata import version as _pkg_version
+
+    VERSION = _pkg_version("kvtier")
+except Exception:  # running from a source tree without metadata
+    VERSION = "0"
+
+DEFAULT_TAU_S = 30.0
+
+
+def limits_of(cfg: C.Config) -> Limits:
+    lim = cfg.limits
+    return Limits(lim.max_regions_per_process, lim.max_bytes_per_process,
+                  lim.max_blocks_per_region, lim.max_blocks_total)
+
+
+def policy_config(table: dict, tenant_id) -> pol.PolicyConfig:
+    """[policy] table -> PolicyConfig. TOML keys are strings: tier indices
+    become ints, tenant quotas are keyed by tenant *name* in the config and
+    by the registry's tenant id in the policy."""
+    d = dict(table)
+    try:
+        if "capacity" in d:
+            d["capacity"] = {int(k): float(v) for k, v in dict(d["capacity"]).items()}
+        if "tenant_dram_quota" in d:
+            d["tenant_dram_quota"] = {tenant_id(str(k)): int(v) for k, v in dict(d["tenant_dram_quota"]).items()}
+        return pol.PolicyConfig(**d)
+    except TypeError as e:
+        known = ", ".join(pol.PolicyConfig.__dataclass_fields__)
+        raise ConfigError(f"policy: {e} (known keys: {known})") from None
+    except (ValueError, AttributeError) as e:
+        raise ConfigError(f"policy: {e}") from None
+
+
+def tau_of(cfg: C.Config) -> float:
+    tau = cfg.extra.get("hotness", {}).get("tau_s", DEFAULT_TAU_S)
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)):
+        raise ConfigError(f"hotness.tau_s: expected a number, got {tau!r}")
+    return float(tau)
+
+
+def check(cfg: C.Config) -> None:
+    """Everything that can be validated without side effects."""
+    policy_config(cfg.extra.get("policy", {}), lambda name: 0)
+    hotness.Temperature(tau_of(cfg))
+    topo_mod.validate_overrides(cfg.extra.get("topology") or None)
+    from kvtier.server import group_gid
+
+    for key in ("daemon.socket_group", "security.admin_group"):
+        try:
+            group_gid(cfg.get(key))
+        except KeyError:
+            raise ConfigError(f"{key}: no such group {cfg.get(key)!r}") from None
+
+
+class Daemon:
+    def __init__(self, cfg: C.Config, config_path: str | None, notifier: Notifier | None = None,
+                 inherited_fds: list[int] | None = None):
+        check(cfg)
+        self.cfg = cfg
+        self.config_path = config_path
+        self.notifier = notifier or Notifier()
+        self.inherited_fds = inherited_fds
+        self.stats = DaemonStats()
+        self.stop_event: asyncio.Event | None = None
+        self.reload_event: asyncio.Event | None = None
+        self._state_timer: asyncio.TimerHandle | None = None
+
+    # -- composition -----------------------------------------------------
+
+    def build(self, loop: asyncio.AbstractEventLoop) -> None:
+        cfg = self.cfg
+        d = cfg.daemon
+        self.table = BlockTable()
+        self.temperature = hotness.Temperature(tau_of(cfg))
+        self.watcher = PidfdWatcher(loop)
+        self.registry = Registry(self.table, limits_of(cfg), self.stats, self.temperature, self.watcher,
+                                 proc_root=d.proc_root, on_change=self._state_dirty)
+        self.topology = topo_mod.discover(d.sys_root, d.proc_root, cfg.extra.get("topology") or None)
+        for w in self.topology.warnings:
+            log.warning("topology: %s", w)
+        self.migrator = Migrator(proc_root=d.proc_root, dry_run=d.dry_run)
+        self.engine = Engine(
+            self.table, self.registry, self.topology, self.migrator, self.temperature,
+            policy_config(cfg.extra.get("policy", {}), self.registry.tenant_id), self.stats,
+            residency_interval=d.residency_interval,
+        )
+        self.engine.loop = loop
+        lim = cfg.limits
+        self.api = ControlAPI(self.registry, self.engine, self.stats, lim.max_message_bytes, VERSION)
+        self.server = Server(
+            self.api, self.stats, path=d.socket, mode=d.socket_mode, group=d.socket_group,
+            admin_group=cfg.security.admin_group, max_message_bytes=lim.max_message_bytes,
+            requests_per_second=lim.requests_per_second, request_burst=lim.request_burst,
+            max_connections=lim.max_connections, max_connections_per_uid=lim.max_connections_per_uid,
+            inherited_fds=self.inherited_fds,
+        )
+
+    # -- state file ------------------------------------------------------
+
+    def _state_dirty(self) -> None:
+        # Coalesce a burst of registrations into one fsync'ed write.
+        if not self.cfg.daemon.state_file or self._state_timer is not None:
+            return
+        loop = asyncio.get_running_loop()
+        self._state_timer = loop.call_later(self.cfg.daemon.state_flush_delay, self.flush_state)
+
+    def flush_state(self) -> None:
+        self._state_timer = None
+        path = self.cfg.daemon.state_file
+        if not path:
+            return
+        try:
+            state.save(path, self.registry.to_state(), self.registry.next_id)
+            self.stats.state_writes_total += 1
+        except KvtierError as e:
+            self.stats.state_write_errors_total += 1
+            log.error("%s", e)
+
+    def adopt(self) -> None:
+        path = self.cfg.daemon.state_file
+        if not path:
+            return
+        entries, next_id = state.load(path)
+        adopted, dropped = self.registry.adopt(entries, next_id)
+        if entries:
+            log.info("state %s: re-adopted %d region(s), dropped %d whose process is gone or changed",
+                     path, adopted, dropped)
+        if dropped:
+            self.flush_state()
+
+    # -- reload ----------------------------------------------------------
+
+    def reload(self) -> None:
+        """SIGHUP: re-read the config; on any error keep running on the old one."""
+        self.notifier.reloading()
+        try:
+            new = C.load(self.config_path, missing_ok=self.config_path == C.DEFAULT_PATH)
+            check(new)
+            pcfg = policy_config(new.extra.get("policy", {}), self.registry.tenant_id)
+            tau = tau_of(new)
+        except (ConfigError, OSError) as e:
+            self.stats.config_reload_errors_total += 1
+            log.error("reload failed, keeping the running config: %s", e)
+            self.notifier.ready(self._status_line())
+            return
+        for key in ("daemon.socket", "daemon.socket_group", "daemon.socket_mode", "daemon.state_file",
+                    "daemon.proc_root", "daemon.sys_root"):
+            if new.get(key) != self.cfg.get(key):
+                log.warning("%s changed: takes effect at the next restart", key)
+        if new.extra.get("topology") != self.cfg.extra.get("topology"):
+            try:
+                t = topo_mod.discover(self.cfg.daemon.sys_root, self.cfg.daemon.proc_root,
+                                      new.extra.get("topology") or None)
+                if self.engine.future is None:
+                    self.topology = self.engine.topology = t
+                else:
+                    log.warning("topology change deferred: a migration is running; send SIGHUP again")
+            except (KvtierError, OSError) as e:
+                log.error("topology rediscovery failed, keeping the old one: %s", e)
+        self.registry.limits = limits_of(new)
+        self.server.apply_limits(new.limits, new.security.admin_group)
+        self.engine.policy_cfg = pcfg
+        self.engine.residency_interval = new.daemon.residency_interval
+        self.temperature.tau_s = tau
+        self.migrator.dry_run = new.daemon.dry_run
+        logging.getLogger().setLevel(new.daemon.log_level.upper())
+        self.cfg = C.Config(
+            {**new.values, **{k: self.cfg.get(k) for k in ("daemon.socket", "daemon.state_file",
+                                                             "daemon.proc_root", "daemon.sys_root")}},
+            new.extra, new.source,
+        )
+        self.stats.config_reloads_total += 1
+        log.info("configuration reloaded from %s", new.source)
+        self.notifier.ready(self._status_line())
+
+    # -- main loop -------------------------------------------------------
+
+    def _status_line(self) -> str:
+        s = self.stats
+        return (f"{s.regions} regions of {s.processes} processes, {s.blocks} blocks; "
+                f"{s.connections_open} clients; tick {s.tick_seconds_last * 1000:.1f} ms")
+
+    def _watchdog(self, loop: asyncio.AbstractEventLoop, interval: float) -> None:
+        self.notifier.watchdog()
+        loop.call_later(interval, self._watchdog, loop, interval)
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        self.stop_event = asyncio.Event()
+        self.reload_event = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop_event.set)
+        loop.add_signal_handler(signal.SIGHUP, self.reload_event.set)
+        self.build(loop)
+        self.adopt()
+        await self.server.start()
+        self.notifier.ready(self._status_line())
+        if self.notifier.watchdog_interval:
+            self._watchdog(loop, self.notifier.watchdog_interval)
+        log.info("kvtierd %s ready: %d tier(s) %s%s", VERSION, len(self.topology.tiers),
+                 ", ".join(self.engine.tier_names()), " (dry run)" if self.migrator.dry_run else "")
+        waits = {asyncio.ensure_future(self.stop_event.wait()), asyncio.ensure_future(self.reload_event.wait())}
+        next_tick = time.monotonic()
+        last_status = 0.0
+        while not self.stop_event.is_set():
+            now = time.monotonic()
+            if now >= next_tick:
+                self.engine.tick()
+                # Fixed-rate ticks; after a stall, resume from now instead of bursting.
+                next_tick = max(next_tick + self.cfg.daemon.tick_interval, time.monotonic())
+                if now - last_status >= 5.0:
+                    self.notifier.status(self._status_line())
+                    last_status = now
+            done, _ = await asyncio.wait(waits, timeout=max(0.0, next_tick - time.monotonic()),
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if self.reload_event.is_set():
+                self.reload_event.clear()
+                waits = {w for w in waits if not w.done()} | {asyncio.ensure_future(self.reload_event.wait())}
+                self.reload()
+        for w in waits:
+            w.cancel()
+        await self.shutdown()
+        return 0
+
+    async def shutdown(self) -> None:
+        self.notifier.stopping()
+        log.info("stopping")
+        await self.server.close()
+        # The running job finishes (a move_pages batch cannot be interrupted
+        # safely anyway); its results are applied before the final state write.
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.wait_idle, 60.0)
+        await asyncio.sleep(0)
+        self.engine.shutdown()
+        if self._state_timer is not None:
+            self._state_timer.cancel()
+        self.flush_state()
+        self.watcher.close()
+        self.notifier.close()
+
+
+def _parse_set(items: list[str]) -> dict[str, Any]:
+    out = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set {item}: expected KEY=VALUE")
+        try:
+            out[key] = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key] = raw  # a bare string
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvtierd", description="Memory-tiering daemon for LLM KV caches.")
+    ap.add_argument("-c", "--config", default=C.DEFAULT_PATH, help="TOML config (default %(default)s)")
+    ap.add_argument("--socket", help="override daemon.socket")
+    ap.add_argument("--state-file", help="override daemon.state_file ('' disables persistence)")
+    ap.add_argument("--dry-run", action="store_true", help="plan but never move a page")
+    ap.add_argument("-s", "--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override any option, e.g. --set daemon.tick_interval=0.5")
+    ap.add_argument("--check-config", action="store_true", help="validate the config and exit")
+    ap.add_argument("--print-sample-config", action="store_true", help="print the commented sample config")
+    args = ap.parse_args(argv)
+    if args.print_sample_config:
+        sys.stdout.write(C.sample_toml())
+        return 0
+    try:
+        overrides = _parse_set(args.set)
+        if args.socket:
+            overrides["daemon.socket"] = args.socket
+        if args.state_file is not None:
+            overrides["daemon.state_file"] = args.state_file
+        if args.dry_run:
+            overrides["daemon.dry_run"] = True
+        cfg = C.load(args.config, missing_ok=args.config == C.DEFAULT_PATH, overrides=overrides)
+        check(cfg)
+    except ConfigError as e:
+        print(f"kvtierd: config error: {e}", file=sys.stderr)
+        return 78  # EX_CONFIG: systemd shows it, Restart=on-failure will not loop on it forever
+    if args.check_config:
+        print(f"{cfg.source}: ok")
+        return 0
+    # Under systemd, journald timestamps lines itself.
+    fmt = "%(levelname)s %(name)s: %(message)s" if os.environ.get("JOURNAL_STREAM") else \
+        "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=cfg.daemon.log_level.upper(), format=fmt, stream=sys.stderr)
+    try:
+        daemon = Daemon(cfg, args.config, inherited_fds=listen_fds())
+        return asyncio.run(daemon.run())
+    except (KvtierError, OSError) as e:
+        log.error("%s", e)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
