@@ -290,7 +290,7 @@ def build_synthetic_cxl(dest: str) -> None:
     dax_dev = f"{cxl_dev}/dax_region0/dax0.0"
     _link(dest, os.path.join(s, k.DAX_DEVICES, "dax0.0"), f"../../../{dax_dev}")
     _write(dest, os.path.join(s, dax_dev, k.DAX_TARGET_NODE), "2")
-    _write(dest, os.path.join(s, dax_dev, "size"), str(1 << 30))
+    _write(dest, os.path.join(s, dax_dev, k.DAX_SIZE), str(1 << 30))
     # Block devices: the virtio root disk and the NVMe namespace used as swap
     # (whole disk), with one partition to exercise partition lookup.
     _disk(dest, "vda", "devices/pci0000:00/0000:00:02.0/virtio1/block/vda", "../../../virtio1",
@@ -319,6 +319,8 @@ def build_synthetic_cxl(dest: str) -> None:
     with open(os.path.join(dest, k.FIXTURE_META), "w") as f:
         json.dump(meta, f, indent=2, sort_keys=True)
         f.write("\n")
+    _write(dest, "README.md", "# SYNTHETIC fixture\n\n" + meta["description"] + "\n\n"
+           "Regenerate with `python scripts/capture_fixtures.py --synthetic-cxl tests/fixtures/synthetic-cxl`.\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -79,7 +79,8 @@ CXL_REGION_MODE = "mode"  # ram | pmem
 CXL_REGION_FILES = (CXL_REGION_RESOURCE, CXL_REGION_SIZE, CXL_REGION_MODE)
 DAX_DEVICES = "bus/dax/devices"
 DAX_TARGET_NODE = "target_node"
-DAX_FILES = (DAX_TARGET_NODE, "size")
+DAX_SIZE = "size"
+DAX_FILES = (DAX_TARGET_NODE, DAX_SIZE)
 
 # Block devices: /sys/block/<disk> (partitions are subdirectories holding a
 # "partition" file), /sys/dev/block/MAJ:MIN links for st_dev lookups.
@@ -91,6 +92,9 @@ BLOCK_ROTATIONAL = "queue/rotational"
 BLOCK_DEVICE_LINK = "device"
 BLOCK_PARTITION = "partition"
 BLOCK_SLAVES = "slaves"  # dm/md: the devices underneath
+
+# CPUs online, for kernels without NUMA sysfs
+CPU_ONLINE = "devices/system/cpu/online"
 
 # procfs
 PROC_SWAPS = "swaps"

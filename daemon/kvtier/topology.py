@@ -351,7 +351,7 @@ def _read_nodes(sys_root: str, proc_root: str, warnings: list[str]) -> dict[int,
         warnings.append(f"{base} absent (kernel without NUMA): one DRAM node assumed")
         meminfo = k.path(proc_root, k.PROC_MEMINFO)
         mi = k.read_meminfo(meminfo)
-        cpus = tuple(k.read_list(k.path(sys_root, "devices/system/cpu/online")) or ())
+        cpus = tuple(k.read_list(k.path(sys_root, k.CPU_ONLINE)) or ())
         info = NodeInfo(0, KIND_DRAM, cpus, mi.get(k.MEMINFO_TOTAL, 0), mi.get(k.MEMINFO_FREE, 0),
                         {0: 10}, None, None, None, meminfo_path=meminfo)
         return {0: info}

@@ -145,6 +145,16 @@ def test_node_tier_lut(tree_dir: Path):
         t.tier_for_node(len(lut) + 5)
 
 
+@pytest.mark.skipif(not (FIXTURES / "qemu-cxl" / "sys").is_dir(), reason="qemu-cxl not captured yet")
+def test_qemu_guest_capture_matches_design():
+    # DESIGN.md's guest: DRAM, a CPU-less far RAM node, CXL through dax
+    # kmem, swap on NVMe. A capture missing one means the VM is misbuilt.
+    t = discover(FIXTURES / "qemu-cxl")
+    kinds = [x.kind for x in t.tiers]
+    assert kinds[0] == "dram" and {"far", "cxl", "swap"} <= set(kinds), kinds
+    assert t.swap_tier.nvme
+
+
 # ---------------------------------------------------------------------------
 # the synthetic CXL guest
 
