@@ -32,7 +32,7 @@ Ordering
 DRAM first. Far tiers are sorted by, in this order: the kernel memory tier
 (``memory_tierN``, higher N = higher abstract distance = slower), the HMAT
 read latency, the SLIT distance from the nearest CPU node, kind (plain far
-memory before CXL when nothing else tells them apart), node id. A missing
+memory before CXL when nothing else tells them apart). A missing
 value sorts after any known one. Each tier records in ``order_source`` which
 of these put it after the tier before it. Swap is one tier, last; its devices
 are listed NVMe first (the tier is marked ``nvme`` when any device is).
@@ -54,6 +54,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from kvtier import sysfs as k
+from kvtier.blocks import TIER_UNKNOWN
 from kvtier.errors import ConfigError, InvalidArgument, KvtierOSError
 
 KIND_DRAM = "dram"
@@ -81,7 +82,6 @@ _MEMTIER_RE = re.compile(rf"^{k.MEMTIER_PREFIX}(\d+)$")
 _BLOCK_RE = re.compile(rf"^{k.MEMORY_BLOCK_PREFIX}(\d+)$")
 _REGION_RE = re.compile(rf"^{k.CXL_REGION_PREFIX}(\d+)$")
 _TIER_INT8_MAX = int(np.iinfo(np.int8).max)
-_TIER_UNKNOWN = -1  # blocks.TIER_UNKNOWN; kept numeric to avoid importing the table
 
 
 # ---------------------------------------------------------------------------
@@ -184,7 +184,7 @@ class Topology:
         one numpy indexing step (negative statuses must be masked first).
         """
         size = max(self.nodes, default=-1) + 1
-        lut = np.full(max(size, 1), _TIER_UNKNOWN, dtype=np.int8)
+        lut = np.full(max(size, 1), TIER_UNKNOWN, dtype=np.int8)
         for node, tier in self.node_to_tier.items():
             lut[node] = tier
         return lut
