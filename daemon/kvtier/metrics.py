@@ -200,6 +200,7 @@ class Collector:
 
     ``sources`` returns the hotness sources' status as (name, active, reason)
     triples; the daemon passes a closure over its source objects.
+    ``topology`` is a Topology or a callable returning the current one.
     """
 
     def __init__(
@@ -228,7 +229,10 @@ class Collector:
     # -- helpers -----------------------------------------------------------
 
     def _tiers(self) -> list[Any]:
-        return list(getattr(self.topology, "tiers", []) or [])
+        # A callable topology follows a daemon that rediscovers on reload
+        # (``lambda: engine.topology``); a plain Topology is fixed.
+        topo = self.topology() if callable(self.topology) else self.topology
+        return list(getattr(topo, "tiers", []) or [])
 
     def _columns(self) -> dict[str, np.ndarray]:
         """One consistent-length copy of the columns a scrape needs."""

@@ -240,3 +240,12 @@ def test_config_defaults():
     cfg = metrics.MetricsConfig.from_table({})
     assert (cfg.enabled, cfg.address, cfg.port, cfg.per_region) == (True, "127.0.0.1", 9464, True)
     assert metrics.MetricsConfig.from_table({"port": 0, "address": "::"}).port == 0
+
+
+def test_topology_may_be_a_callable_that_follows_rediscovery(daemon_state):
+    stats, reg, topo, _ = daemon_state
+    current = [topo]
+    c = collect(stats, reg, lambda: current[0])
+    assert c.get_sample_value("kvtier_tier_capacity_bytes", {"tier": "swap"}) is not None
+    current[0] = topology.discover(str(FIXTURE / "sys"), str(FIXTURE / "proc"), {"swap": {"enabled": False}})
+    assert c.get_sample_value("kvtier_tier_capacity_bytes", {"tier": "swap"}) is None
