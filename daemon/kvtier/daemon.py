@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import sys
 import time
@@ -27,7 +26,8 @@ import tomllib
 from typing import Any
 
 from kvtier import config as C
-from kvtier import hotness, state
+from kvtier import hotness, logs, state
+from kvtier import metrics as metrics_mod
 from kvtier import policy as pol
 from kvtier import topology as topo_mod
 from kvtier.blocks import BlockTable
@@ -39,7 +39,7 @@ from kvtier.sdnotify import Notifier
 from kvtier.server import ControlAPI, PidfdWatcher, Server, listen_fds
 from kvtier.stats import DaemonStats
 
-log = logging.getLogger("kvtierd")
+log = logging.getLogger("kvtier.daemon")
 
 try:
     from importlib.metadata import version as _pkg_version
@@ -87,6 +87,7 @@ def check(cfg: C.Config) -> None:
     policy_config(cfg.extra.get("policy", {}), lambda name: 0)
     hotness.Temperature(tau_of(cfg))
     topo_mod.validate_overrides(cfg.extra.get("topology") or None)
+    metrics_mod.MetricsConfig.from_table(cfg.extra.get("metrics"))
     from kvtier.server import group_gid
 
     for key in ("daemon.socket_group", "security.admin_group"):
@@ -129,6 +130,11 @@ class Daemon:
             residency_interval=d.residency_interval,
         )
         self.engine.loop = loop
+        mcfg = metrics_mod.MetricsConfig.from_table(cfg.extra.get("metrics"))
+        self.metrics = None
+        if mcfg.enabled:
+            self.metrics = metrics_mod.MetricsExporter.from_config(
+                mcfg, self.stats, self.registry, self.table, self.topology, proc_root=d.proc_root)
         lim = cfg.limits
         self.api = ControlAPI(self.registry, self.engine, self.stats, lim.max_message_bytes, VERSION)
         self.server = Server(
@@ -207,7 +213,7 @@ class Daemon:
         self.engine.residency_interval = new.daemon.residency_interval
         self.temperature.tau_s = tau
         self.migrator.dry_run = new.daemon.dry_run
-        logging.getLogger().setLevel(new.daemon.log_level.upper())
+        logs.setup(new.daemon.log_level)
         self.cfg = C.Config(
             {**new.values, **{k: self.cfg.get(k) for k in ("daemon.socket", "daemon.state_file",
                                                              "daemon.proc_root", "daemon.sys_root")}},
@@ -238,6 +244,14 @@ class Daemon:
         self.build(loop)
         self.adopt()
         await self.server.start()
+        if self.metrics is not None:
+            try:
+                self.metrics.start()
+                log.info("metrics on http://%s:%d/metrics", self.metrics.address, self.metrics.port)
+            except OSError as e:  # metrics are not worth refusing to manage memory for
+                log.error("metrics exporter not started on %s:%d: %s", self.metrics.address,
+                          self.metrics.port, e)
+                self.metrics = None
         self.notifier.ready(self._status_line())
         if self.notifier.watchdog_interval:
             self._watchdog(loop, self.notifier.watchdog_interval)
@@ -279,6 +293,8 @@ class Daemon:
             self._state_timer.cancel()
         self.flush_state()
         self.watcher.close()
+        if self.metrics is not None:
+            self.metrics.stop()
         self.notifier.close()
 
 
@@ -325,10 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check_config:
         print(f"{cfg.source}: ok")
         return 0
-    # Under systemd, journald timestamps lines itself.
-    fmt = "%(levelname)s %(name)s: %(message)s" if os.environ.get("JOURNAL_STREAM") else \
-        "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    logging.basicConfig(level=cfg.daemon.log_level.upper(), format=fmt, stream=sys.stderr)
+    logs.setup(cfg.daemon.log_level)
     try:
         daemon = Daemon(cfg, args.config, inherited_fds=listen_fds())
         return asyncio.run(daemon.run())

@@ -335,7 +335,7 @@ class Engine:
             log.error("migration job failed: %r", exc)
             return
         st = self.stats
-        st.migration_seconds_sum += job.seconds
+        st.observe_migration(job.seconds)
         rows = self._rows_now(job)
         live = rows >= 0
         now = self.clock()

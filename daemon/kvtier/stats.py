@@ -12,6 +12,8 @@ import collections
 import time
 from dataclasses import dataclass, field
 
+from kvtier.metrics import MIGRATION_BUCKETS, TICK_BUCKETS, Histogram
+
 
 @dataclass
 class DaemonStats:
@@ -43,12 +45,14 @@ class DaemonStats:
     tick_seconds_sum: float = 0.0
     tick_seconds_last: float = 0.0
     tick_seconds_max: float = 0.0
+    tick_seconds_hist: Histogram = field(default_factory=lambda: Histogram(TICK_BUCKETS))
     tick_errors_total: int = 0
     ticks_skipped_busy: int = 0  # act phase skipped: previous migration still running
     migrations: collections.Counter = field(default_factory=collections.Counter)  # (src, dst) -> blocks
     migrated_bytes: collections.Counter = field(default_factory=collections.Counter)  # (src, dst) -> bytes
     migration_failures: collections.Counter = field(default_factory=collections.Counter)  # (src, dst, errno) -> n
     migration_seconds_sum: float = 0.0
+    migration_seconds_hist: Histogram = field(default_factory=lambda: Histogram(MIGRATION_BUCKETS))
     residency_scans_total: int = 0
     config_reloads_total: int = 0
     config_reload_errors_total: int = 0
@@ -59,12 +63,19 @@ class DaemonStats:
         self.tick_seconds_last = seconds
         if seconds > self.tick_seconds_max:
             self.tick_seconds_max = seconds
+        self.tick_seconds_hist.observe(seconds)
+
+    def observe_migration(self, seconds: float) -> None:
+        self.migration_seconds_sum += seconds
+        self.migration_seconds_hist.observe(seconds)
 
     def to_dict(self) -> dict:
         """Wire/JSON form: counters keyed by strings."""
         out = {}
         for k, v in self.__dict__.items():
-            if isinstance(v, collections.Counter):
+            if isinstance(v, Histogram):
+                out[k] = {"sum": v.sum, "count": v.count, "buckets": dict(v.buckets())}
+            elif isinstance(v, collections.Counter):
                 out[k] = {
                     (":".join(str(x) for x in key) if isinstance(key, tuple) else str(key)): n
                     for key, n in sorted(v.items(), key=lambda kv: str(kv[0]))

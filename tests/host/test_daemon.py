@@ -1,0 +1,483 @@
+"""The real kvtierd on a temporary socket, driven by real client processes.
+
+Each test starts ``python -m kvtier.daemon`` as a subprocess and talks to it
+with kvtier.client from child processes (so SO_PEERCRED, /proc/PID/maps,
+pidfds and the state file are all real). Waits poll the daemon's state with
+a generous deadline; nothing asserts on elapsed time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+import pytest
+
+from kvtier import protocol as P
+from kvtier.client import Client, KvtierClientError
+
+pytestmark = pytest.mark.root
+
+PY = sys.executable
+DEADLINE = 20.0
+NOBODY = 65534
+
+
+def wait_for(pred, what: str, timeout: float = DEADLINE, interval: float = 0.02):
+    end = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(interval)
+
+
+class DaemonProc:
+    """kvtierd in a subprocess with its own socket, state file and config."""
+
+    def __init__(self, workdir: str, extra_config: str = "", args: tuple[str, ...] = ()):
+        self.dir = workdir
+        self.sock = os.path.join(workdir, "kvtierd.sock")
+        self.state = os.path.join(workdir, "state.json")
+        self.config = os.path.join(workdir, "kvtierd.toml")
+        self.log = os.path.join(workdir, "kvtierd.log")
+        self.args = args
+        self.write_config(extra_config)
+        self.proc: subprocess.Popen | None = None
+
+    def write_config(self, extra: str = "") -> None:
+        with open(self.config, "w") as f:
+            f.write(textwrap.dedent(f"""\
+                [daemon]
+                socket = "{self.sock}"
+                state_file = "{self.state}"
+                tick_interval = 0.05
+                state_flush_delay = 0.0
+                socket_mode = 0o666
+                [metrics]
+                enabled = false
+                """) + textwrap.dedent(extra))
+
+    def start(self) -> "DaemonProc":
+        logf = open(self.log, "ab")
+        self.proc = subprocess.Popen([PY, "-m", "kvtier.daemon", "-c", self.config, *self.args],
+                                     stdout=logf, stderr=logf)
+        logf.close()
+
+        def up():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"kvtierd exited {self.proc.returncode}: {self.read_log()}")
+            try:
+                Client(self.sock, reconnect_timeout=0).close()
+                return True
+            except (OSError, KvtierClientError):
+                return False
+
+        wait_for(up, "kvtierd to accept connections")
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        rc = self.proc.wait(timeout=DEADLINE)
+        self.proc = None
+        return rc
+
+    def read_log(self) -> str:
+        with open(self.log, errors="replace") as f:
+            return f.read()
+
+    def client(self, **kw) -> Client:
+        return Client(self.sock, **kw)
+
+    def regions(self) -> list[dict]:
+        with self.client() as c:
+            return c.request("regions")["regions"]
+
+
+@pytest.fixture
+def workdir():
+    # World-traversable so clients running as nobody reach the socket.
+    d = tempfile.mkdtemp(prefix="kvtierd-test-")
+    os.chmod(d, 0o755)
+    yield d
+    subprocess.run(["rm", "-rf", d], check=False)
+
+
+@pytest.fixture
+def daemon(workdir):
+    d = DaemonProc(workdir).start()
+    yield d
+    rc = d.stop()
+    assert rc == 0, d.read_log()
+    assert "Traceback" not in d.read_log(), d.read_log()
+
+
+# A client process: registers an anonymous mmap, then obeys commands on
+# stdin, answering one JSON line per command on stdout.
+CHILD = r"""
+import json, mmap, sys, os
+import numpy as np
+from kvtier.client import Client, KvtierClientError
+sock, size, bs, uid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+if uid >= 0:  # drop root after the imports (the interpreter lives under /root)
+    os.setgroups([]); os.setgid(uid); os.setuid(uid)
+buf = mmap.mmap(-1, size)
+buf.write(b"\1" * size)  # touch every page so residency is measurable
+c = Client(sock, reconnect_timeout=30)
+def out(**kw):
+    print(json.dumps(kw), flush=True)
+region = None
+for line in sys.stdin:
+    cmd = json.loads(line)
+    op = cmd.pop("cmd")
+    try:
+        if op == "register":
+            region = c.register(buf, block_size=bs, **cmd)
+            out(region=region.id, nblocks=region.nblocks, addr=region.start, pid=os.getpid())
+        elif op == "register_raw":
+            r = c.register(addr=cmd["addr"], length=cmd["length"], block_size=bs, pid=cmd.get("pid"))
+            out(region=r.id)
+        elif op == "hint":
+            region.hint(cmd["blocks"], cmd.get("counts"))
+            errs = c.flush()
+            out(errors=[str(e) for e in errs])
+        elif op == "phase":
+            out(blocks=region.phase(cmd["phase"], cmd.get("blocks")))
+        elif op == "query":
+            out(tiers=region.query().tolist())
+        elif op == "unregister":
+            region.unregister()
+            out(ok=True)
+        elif op == "reconnects":
+            out(reconnects=c.reconnects)
+        elif op == "exit":
+            out(ok=True)
+            os._exit(0)
+    except KvtierClientError as e:
+        out(error=e.code, message=str(e), errno=e.errno)
+"""
+
+
+# Become an unprivileged user after the imports: the venv's interpreter lives
+# under /root, which nobody cannot read, so the child starts as root and drops.
+DROP = "import os, sys\ndef drop(uid, gid):\n    os.setgroups([]); os.setgid(gid); os.setuid(uid)\n"
+
+
+class ChildClient:
+    def __init__(self, sock: str, size: int = 16 << 20, block_size: int = 1 << 20, user: int | None = None):
+        self.p = subprocess.Popen([PY, "-c", CHILD, sock, str(size), str(block_size), str(-1 if user is None else user)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.pid = self.p.pid
+
+    def __call__(self, cmd: str, **kw) -> dict:
+        self.p.stdin.write(json.dumps({"cmd": cmd, **kw}) + "\n")
+        self.p.stdin.flush()
+        line = self.p.stdout.readline()
+        assert line, f"client process died (rc={self.p.poll()})"
+        return json.loads(line)
+
+    def kill(self) -> None:
+        if self.p.poll() is None:
+            self.p.kill()
+        self.p.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.kill()
+
+
+def measured(child) -> list[int]:
+    """The region's tiers once the daemon has measured every block."""
+
+    def probe():
+        t = child("query")["tiers"]
+        return t if -1 not in t else None
+
+    return wait_for(probe, "residency measured")
+
+
+def test_register_hint_query_unregister(daemon):
+    with ChildClient(daemon.sock) as child:
+        r = child("register", name="kv0", tenant="team-a", priority=3, constraints=["never_swap"])
+        assert r["nblocks"] == 16
+        regs = daemon.regions()
+        assert [(x["id"], x["pid"], x["name"], x["tenant"], x["priority"], x["constraints"]) for x in regs] == [
+            (r["region"], child.pid, "kv0", "team-a", 3, ["never_swap"])
+        ]
+        assert child("hint", blocks=[1, 2, 2, 15], counts=[1, 2, 3, 4])["errors"] == []
+        # One node on this host: once measured, every touched block is in tier 0.
+        tiers = measured(child)
+        assert tiers == [0] * 16
+        with daemon.client() as c:
+            b = c.request("blocks", region=r["region"])
+            temps = P.unpack(b["temps"], P.TEMPS_DTYPE, "temps")
+            # Counts add up per block (2+3 for block 2), then decay together.
+            assert temps[0] == 0 and temps[2] > temps[15] > temps[1] > 0
+            assert temps[2] / temps[1] == pytest.approx(5, rel=1e-3)
+            assert c.stats()["block_hints_total"] == 4
+            assert "region 1 index 15" in c.request("explain", region=r["region"], block=15)["text"]
+        assert child("phase", phase="prefill_done", blocks=[0, 1])["blocks"] == 2
+        assert child("unregister") == {"ok": True}
+        assert daemon.regions() == []
+        assert child("query")["error"] == "not_found"
+
+
+def test_client_that_exits_is_cleaned_up(daemon):
+    child = ChildClient(daemon.sock)
+    child("register")
+    child2 = ChildClient(daemon.sock)
+    r2 = child2("register")
+    try:
+        assert len(daemon.regions()) == 2
+        child.kill()  # SIGKILL: no chance to unregister; the pidfd tells the daemon
+        wait_for(lambda: [x["id"] for x in daemon.regions()] == [r2["region"]], "dead client's region dropped")
+        with daemon.client() as c:
+            assert c.stats()["regions_dropped_exit_total"] == 1
+        with open(daemon.state) as f:
+            wait_for(lambda: [x["id"] for x in json.load(open(daemon.state))["regions"]] == [r2["region"]],
+                     "state file updated")
+    finally:
+        child2.kill()
+
+
+def test_restart_readopts_live_registrations(daemon):
+    with ChildClient(daemon.sock) as alive, ChildClient(daemon.sock) as dying:
+        ra = alive("register", name="alive")
+        rd = dying("register", name="dying")
+        alive("hint", blocks=[0])
+        assert daemon.stop() == 0
+        with open(daemon.state) as f:
+            saved = json.load(f)
+        assert sorted(x["id"] for x in saved["regions"]) == sorted([ra["region"], rd["region"]])
+        dying.kill()  # exits while the daemon is down: must not be re-adopted
+        daemon.start()
+        regs = daemon.regions()
+        assert [(x["id"], x["pid"], x["name"]) for x in regs] == [(ra["region"], alive.pid, "alive")]
+        # The same Client object reconnects transparently and its handle is still valid.
+        assert alive("hint", blocks=[3])["errors"] == []
+        assert alive("reconnects")["reconnects"] == 1
+        assert measured(alive) == [0] * 16
+        with daemon.client() as c:
+            st = c.stats()
+            assert st["regions_adopted_total"] == 1 and st["regions_stale_total"] == 1
+        # New ids never collide with re-adopted ones.
+        with ChildClient(daemon.sock) as other:
+            assert other("register")["region"] > max(ra["region"], rd["region"])
+
+
+def test_pid_reuse_is_not_adopted(workdir):
+    # A state entry whose pid is alive but whose start time differs is a different process.
+    d = DaemonProc(workdir)
+    me = os.getpid()
+    with open(d.state, "w") as f:
+        json.dump({"version": 1, "next_id": 5, "regions": [{
+            "id": 4, "pid": me, "start_time": 1, "start": 4096, "length": 1 << 20, "block_size": 4096,
+            "name": "x", "tenant": "", "priority": 0, "constraints": [], "owner_uid": 0}]}, f)
+    d.start()
+    try:
+        assert d.regions() == []
+        with d.client() as c:
+            assert c.stats()["regions_stale_total"] == 1
+    finally:
+        assert d.stop() == 0
+
+
+def test_unmapped_and_file_backed_ranges_are_refused(daemon):
+    with ChildClient(daemon.sock) as child:
+        r = child("register_raw", addr=4096, length=1 << 20)
+        assert r["error"] == "range_not_mapped"
+        # The interpreter's own text is file-backed: not KV memory.
+        with open(f"/proc/{child.pid}/maps") as f:
+            text = next(line for line in f if "r-xp" in line and "python" in line)
+        lo = int(text.split("-")[0], 16)
+        r = child("register_raw", addr=lo, length=1 << 20)
+        assert r["error"] == "range_not_mapped"
+        assert "not private anonymous or shared memory" in r["message"]
+    assert daemon.regions() == []
+
+
+def test_unprivileged_client_may_not_register_another_process(daemon):
+    with ChildClient(daemon.sock) as victim, ChildClient(daemon.sock, user=NOBODY) as mallory:
+        v = victim("register")
+        # Guess the victim's mapping exactly: still refused, by pid alone.
+        r = mallory("register_raw", addr=v["addr"], length=1 << 20, pid=victim.pid)
+        assert r["error"] == "permission_denied" and r["errno"] == 1
+        mine = mallory("register")
+        assert "region" in mine
+        assert {x["pid"] for x in daemon.regions()} == {victim.pid, mallory.pid}
+
+
+def test_unprivileged_client_cannot_use_others_regions(daemon):
+    with ChildClient(daemon.sock) as victim:
+        v = victim("register")
+        code = (
+            DROP + "from kvtier.client import Client, KvtierClientError\n"
+            "drop(65534, 65534)\nc = Client(sys.argv[1])\n"
+            "for op, kw in [('unregister', {}), ('query', {}), ('hint', {'blocks': b'\\0\\0\\0\\0'}),"
+            " ('migrate', {'tier': 0}), ('pin', {})]:\n"
+            "    try:\n        c.request(op, region=int(sys.argv[2]), **kw); print(op, 'ok')\n"
+            "    except KvtierClientError as e: print(op, e.code)\n"
+            "print('regions', len(c.request('regions')['regions']))\n"
+        )
+        out = subprocess.run([PY, "-c", code, daemon.sock, str(v["region"])], capture_output=True, text=True, check=True).stdout.split("\n")
+        assert out[:6] == ["unregister permission_denied", "query permission_denied",
+                           "hint permission_denied", "migrate permission_denied", "pin permission_denied",
+                           "regions 0"]
+        assert len(daemon.regions()) == 1
+
+
+def test_limits_give_clear_errors(workdir):
+    d = DaemonProc(workdir, extra_config="""
+        [limits]
+        max_regions_per_process = 2
+        max_message_bytes = 65536
+        requests_per_second = 1
+        request_burst = 50
+        """).start()
+    try:
+        with d.client() as c:
+            n = d.client()
+            import mmap
+            bufs = [mmap.mmap(-1, 1 << 20) for _ in range(3)]
+            c.register(bufs[0], block_size=1 << 16)
+            c.register(bufs[1], block_size=1 << 16)
+            with pytest.raises(KvtierClientError) as ei:
+                c.register(bufs[2], block_size=1 << 16)
+            assert ei.value.code == "limit_exceeded" and "max_regions_per_process" in str(ei.value)
+            # Rate: the bucket (50) runs dry; the answer says when to retry.
+            codes = []
+            for _ in range(60):
+                try:
+                    n.status()
+                    codes.append("ok")
+                except KvtierClientError as e:
+                    codes.append(e.code)
+                    assert e.retry_after_ms > 0
+            assert "rate_limited" in codes and codes[0] == "ok"
+            n.close()
+        # Oversized frame: an error, then the connection is closed.
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(d.sock)
+        s.sendall(P.HEADER.pack(65537))
+        data = s.recv(4096)
+        resp = P.decode_response(data[4:])
+        assert resp.error.code == "message_too_large"
+        assert s.recv(4096) == b""
+        s.close()
+    finally:
+        assert d.stop() == 0
+
+
+def test_sighup_reloads_and_bad_config_keeps_running(daemon):
+    with daemon.client() as c:
+        assert c.server["max_message_bytes"] == 16 << 20
+    daemon.write_config("[limits]\nmax_message_bytes = 1048576\n")
+    daemon.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: Client(daemon.sock).server["max_message_bytes"] == 1 << 20, "reload")
+    daemon.write_config("[limits]\nmax_message_bytes = 1\n")
+    daemon.proc.send_signal(signal.SIGHUP)
+    with daemon.client() as c:
+        wait_for(lambda: c.stats()["config_reload_errors_total"] == 1, "failed reload counted")
+        assert c.server["max_message_bytes"] == 1 << 20
+    assert "limits.max_message_bytes: must be >= 4096" in daemon.read_log()
+
+
+def test_socket_permissions_and_group(workdir):
+    # --set overrides the fixture config's 0o666.
+    d = DaemonProc(workdir, args=("--set", "daemon.socket_mode=0o660", "--set", 'daemon.socket_group="nogroup"'))
+    d.start()
+    try:
+        st = os.stat(d.sock)
+        assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o660
+        assert st.st_gid == 65534
+        code = DROP + "from kvtier.client import Client\ndrop(65534, int(sys.argv[2]))\nClient(sys.argv[1])\n"
+        r = subprocess.run([PY, "-c", code, d.sock, "65534"], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr  # nogroup member may connect
+        r = subprocess.run([PY, "-c", code, d.sock, "1"], capture_output=True, text=True)
+        assert r.returncode != 0 and "Permission denied" in r.stderr
+    finally:
+        assert d.stop() == 0
+    assert not os.path.exists(d.sock)
+
+
+def test_bad_config_fails_before_start(workdir):
+    d = DaemonProc(workdir, extra_config="[policy]\nhigh_wm = 0.5\nlow_wm = 0.9\n")
+    r = subprocess.run([PY, "-m", "kvtier.daemon", "-c", d.config], capture_output=True, text=True)
+    assert r.returncode == 78 and "policy: need 0 < low_wm <= high_wm" in r.stderr
+    assert not os.path.exists(d.sock)
+    r = subprocess.run([PY, "-m", "kvtier.daemon", "-c", d.config, "--set", "daemon.tick_intervl=1"],
+                       capture_output=True, text=True)
+    assert r.returncode == 78 and "daemon.tick_intervl: unknown option" in r.stderr
+
+
+def test_sd_notify_ready_and_watchdog(workdir):
+    ns = os.path.join(workdir, "notify.sock")
+    rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    rx.bind(ns)
+    rx.settimeout(DEADLINE)
+    env = dict(os.environ, NOTIFY_SOCKET=ns, WATCHDOG_USEC="200000")
+    d = DaemonProc(workdir)
+    logf = open(d.log, "ab")
+    p = subprocess.Popen([PY, "-m", "kvtier.daemon", "-c", d.config], env=env, stdout=logf, stderr=logf)
+    try:
+        msgs = []
+        while not any(m.startswith("READY=1") for m in msgs):
+            msgs.append(rx.recv(4096).decode())
+        ready = next(m for m in msgs if m.startswith("READY=1"))
+        assert f"MAINPID={p.pid}" in ready and "STATUS=0 regions" in ready
+        while "WATCHDOG=1" not in msgs:
+            msgs.append(rx.recv(4096).decode())
+        p.send_signal(signal.SIGTERM)
+        while "STOPPING=1" not in msgs:
+            msgs.append(rx.recv(4096).decode())
+        assert p.wait(timeout=DEADLINE) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+        logf.close()
+        rx.close()
+
+
+def test_socket_activation(workdir):
+    # What systemd does for kvtierd.socket: bind, then pass fd 3 with LISTEN_FDS/LISTEN_PID.
+    path = os.path.join(workdir, "activated.sock")
+    ls = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    ls.bind(path)
+    ls.listen(16)
+    d = DaemonProc(workdir)
+    code = ("import os, sys; os.dup2(int(sys.argv[1]), 3); os.environ['LISTEN_FDS'] = '1'; "
+            "os.environ['LISTEN_PID'] = str(os.getpid()); "
+            "os.execv(sys.executable, [sys.executable, '-m', 'kvtier.daemon', '-c', sys.argv[2]])")
+    p = subprocess.Popen([PY, "-c", code, str(ls.fileno()), d.config], pass_fds=(ls.fileno(),),
+                         stderr=subprocess.DEVNULL)
+    ls.close()
+    try:
+        c = wait_for(lambda: _try_client(path), "activated daemon")
+        assert c.server["server"] == "kvtierd"
+        c.close()
+        assert not os.path.exists(d.sock)  # it did not bind its own
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=DEADLINE) == 0
+
+
+def _try_client(path):
+    try:
+        return Client(path, reconnect_timeout=0)
+    except (OSError, KvtierClientError):
+        return None
