@@ -1,0 +1,1 @@
+"""Hotness sources: DAMON, page access bits, perf samples (see base.py)."""

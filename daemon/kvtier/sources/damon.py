@@ -1,0 +1,322 @@
+"""DAMON virtual-address monitoring of the registered ranges, through sysfs.
+
+One kdamond, one context with ``vaddr`` operations, one target per
+registered pid whose initial regions are exactly the pid's registered ranges
+(merged and page aligned), and one ``stat`` scheme that matches every region.
+Each collect asks the kdamond to dump the regions the scheme tried
+(``update_schemes_tried_regions``), reads each region's nr_accesses and age,
+and spreads nr_accesses over the blocks each region covers.
+
+Kernel behaviour this relies on (Documentation/admin-guide/mm/damon/usage.rst):
+
+- A scheme's access-pattern bounds default to 0..0 (size 0 bytes, 0
+  accesses, age 0), which matches nothing; they are written explicitly to
+  their full ranges so every region shows up in tried_regions.
+- vaddr's "update" step (every ``update_us``) replaces a target's regions by
+  the three big areas of its address space (heap, mmap area, stack), which
+  would widen monitoring to the whole process. ``update_us`` is therefore
+  set very long by default; each ``set_targets`` commit re-applies the
+  registered ranges anyway, and regions outside blocks are ignored.
+- Writing ``update_schemes_tried_regions`` to ``state`` returns once the
+  kdamond has refreshed the dump, i.e. after up to about one aggregation
+  interval (plus the sysfs command poll of 100 ms on 6.12): that is the
+  latency of ``collect``.
+- ``nr_targets`` (like every nr_* file) recreates all its subdirectories, so
+  a retarget rewrites every target, then ``commit`` applies the new inputs to
+  the running kdamond without restarting it (region history is kept where
+  the ranges did not change).
+- sysfs can only resize ``nr_kdamonds`` while no kdamond runs: a kdamond
+  someone else started makes this source unavailable rather than stopping it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvtier.blocks import BlockTable
+from kvtier.errors import ConfigError, KvtierError, KvtierOSError
+from kvtier.hotness import SOURCE_WEIGHTS
+from kvtier.native import PAGE_SIZE
+from kvtier.sources.base import Availability, BlockIndex, Observation, Source
+from kvtier.sysfs_io import SysfsIO
+
+log = logging.getLogger("kvtier.sources.damon")
+
+# Paths relative to the sysfs root.
+DAMON_ADMIN = "kernel/mm/damon/admin"
+KDAMONDS = f"{DAMON_ADMIN}/kdamonds"
+NR_KDAMONDS = f"{KDAMONDS}/nr_kdamonds"
+KDAMOND = f"{KDAMONDS}/0"  # kvtier uses exactly one kdamond, index 0
+STATE = f"{KDAMOND}/state"
+KDAMOND_PID = f"{KDAMOND}/pid"
+NR_CONTEXTS = f"{KDAMOND}/contexts/nr_contexts"
+CTX = f"{KDAMOND}/contexts/0"
+AVAIL_OPERATIONS = f"{CTX}/avail_operations"
+OPERATIONS = f"{CTX}/operations"
+INTERVALS = f"{CTX}/monitoring_attrs/intervals"
+NR_REGIONS = f"{CTX}/monitoring_attrs/nr_regions"
+TARGETS = f"{CTX}/targets"
+NR_TARGETS = f"{TARGETS}/nr_targets"
+SCHEMES = f"{CTX}/schemes"
+NR_SCHEMES = f"{SCHEMES}/nr_schemes"
+SCHEME = f"{SCHEMES}/0"
+TRIED_REGIONS = f"{SCHEME}/tried_regions"
+
+OPS_VADDR = "vaddr"
+ACTION_STAT = "stat"  # count only; never changes memory
+
+# state commands
+ON = "on"
+OFF = "off"
+COMMIT = "commit"
+UPDATE_TRIED_REGIONS = "update_schemes_tried_regions"
+
+# Access-pattern bounds covering everything: sizes are unsigned long, while
+# nr_accesses and age are unsigned int inside the kernel.
+ULONG_MAX = (1 << 64) - 1
+UINT_MAX = (1 << 32) - 1
+
+# vaddr re-derives target regions from the whole address space every
+# update_us (see the module docstring); 2^40 us is about 12.7 days.
+UPDATE_NEVER_US = 1 << 40
+
+
+@dataclass(frozen=True)
+class DamonParams:
+    """Monitoring attributes (config table ``[hotness.damon]``)."""
+
+    sample_us: int = 5_000  # one access check per region per sample
+    aggr_us: int = 100_000  # nr_accesses counts samples within one aggregation
+    update_us: int = UPDATE_NEVER_US
+    min_nr_regions: int = 10
+    max_nr_regions: int = 1000
+
+    def __post_init__(self) -> None:
+        if self.sample_us <= 0 or self.aggr_us < self.sample_us:
+            raise ConfigError("hotness.damon: need 0 < sample_us <= aggr_us")
+        if self.update_us < self.aggr_us:
+            raise ConfigError("hotness.damon.update_us: must be >= aggr_us")
+        # The kernel rejects min_nr_regions < 3 (damon_set_attrs).
+        if self.min_nr_regions < 3 or self.max_nr_regions < self.min_nr_regions:
+            raise ConfigError("hotness.damon: need 3 <= min_nr_regions <= max_nr_regions")
+
+    @property
+    def max_nr_accesses(self) -> int:
+        return self.aggr_us // self.sample_us
+
+
+@dataclass(frozen=True)
+class TriedRegion:
+    start: int
+    end: int
+    nr_accesses: int
+    age: int
+
+
+class DamonSource(Source):
+    name = "damon"
+
+    def __init__(
+        self,
+        io: SysfsIO,
+        params: DamonParams | None = None,
+        proc_root: str = "/proc",
+        weight: float = SOURCE_WEIGHTS["damon"],
+    ):
+        self.io = io
+        self.params = params or DamonParams()
+        self.proc_root = proc_root
+        self.weight = weight
+        self.running = False
+        self.index: BlockIndex | None = None
+        self.targets: list[tuple[int, np.ndarray]] = []  # (pid, ranges) in kdamond target order
+        self.last_regions: dict[int, list[TriedRegion]] = {}  # per pid, from the last collect
+
+    # -- probe ----------------------------------------------------------------
+
+    def probe(self) -> Availability:
+        io = self.io
+        admin = io.path(DAMON_ADMIN)
+        if not io.exists(DAMON_ADMIN):
+            return Availability(False, f"DAMON sysfs interface absent: {admin} missing (CONFIG_DAMON_SYSFS)")
+        try:
+            nr = io.read_int(NR_KDAMONDS)
+            if nr != 0:
+                states = [io.read(f"{KDAMONDS}/{k}/state") for k in io.listdir_numeric(KDAMONDS)]
+                return Availability(
+                    False,
+                    f"{io.path(NR_KDAMONDS)} is {nr} (kdamond states: {', '.join(states) or '?'}): "
+                    "another DAMON user owns the kdamonds and sysfs cannot add one beside them",
+                )
+            # avail_operations exists only inside a context: create one, read, tear down.
+            io.write(NR_KDAMONDS, 1)
+            try:
+                io.write(NR_CONTEXTS, 1)
+                avail = io.read(AVAIL_OPERATIONS).split()
+            finally:
+                io.write(NR_KDAMONDS, 0)
+        except KvtierOSError as e:
+            return Availability(False, f"DAMON sysfs: {e}")
+        if OPS_VADDR not in avail:
+            return Availability(
+                False,
+                f"DAMON {OPS_VADDR} ops not in {io.path(AVAIL_OPERATIONS)} (has: {' '.join(avail) or 'nothing'}; "
+                "CONFIG_DAMON_VADDR)",
+            )
+        return Availability(True, f"DAMON {OPS_VADDR} through {admin}")
+
+    # -- configuration ----------------------------------------------------------
+
+    def set_targets(self, table: BlockTable) -> None:
+        self.index = BlockIndex(table)
+        targets = []
+        for pid in self.index.pids:
+            if not os.path.exists(os.path.join(self.proc_root, str(pid))):
+                continue  # exited; the registry drops it soon
+            r = self.index.ranges(pid, PAGE_SIZE)
+            if len(r):
+                targets.append((pid, r))
+        if [(p, r.tobytes()) for p, r in targets] == [(p, r.tobytes()) for p, r in self.targets]:
+            return
+        self.targets = targets
+        if not targets:
+            self._stop()
+            return
+        if not self.running:
+            self._write_context()
+            self._write_targets()
+            self._write_scheme()
+            self.io.write(STATE, ON)
+            self.running = True
+        else:
+            self._write_targets()
+            self.io.write(STATE, COMMIT)
+
+    def _write_context(self) -> None:
+        io, p = self.io, self.params
+        io.write(NR_KDAMONDS, 1)
+        io.write(NR_CONTEXTS, 1)
+        io.write(OPERATIONS, OPS_VADDR)
+        io.write(f"{INTERVALS}/sample_us", p.sample_us)
+        io.write(f"{INTERVALS}/aggr_us", p.aggr_us)
+        io.write(f"{INTERVALS}/update_us", p.update_us)
+        io.write(f"{NR_REGIONS}/min", p.min_nr_regions)
+        io.write(f"{NR_REGIONS}/max", p.max_nr_regions)
+
+    def _write_targets(self) -> None:
+        io = self.io
+        io.write(NR_TARGETS, len(self.targets))
+        for i, (pid, ranges) in enumerate(self.targets):
+            t = f"{TARGETS}/{i}"
+            io.write(f"{t}/pid_target", pid)
+            io.write(f"{t}/regions/nr_regions", len(ranges))
+            for j, (s, e) in enumerate(ranges.tolist()):
+                io.write(f"{t}/regions/{j}/start", s)
+                io.write(f"{t}/regions/{j}/end", e)
+
+    def _write_scheme(self) -> None:
+        io = self.io
+        io.write(NR_SCHEMES, 1)
+        io.write(f"{SCHEME}/action", ACTION_STAT)
+        # Explicit bounds: the defaults (0..0) would match no region at all.
+        ap = f"{SCHEME}/access_pattern"
+        for name, hi in (("sz", ULONG_MAX), ("nr_accesses", UINT_MAX), ("age", UINT_MAX)):
+            io.write(f"{ap}/{name}/min", 0)
+            io.write(f"{ap}/{name}/max", hi)
+
+    # -- collect ------------------------------------------------------------------
+
+    def read_tried_regions(self) -> list[TriedRegion]:
+        io = self.io
+        out = []
+        for k in io.listdir_numeric(TRIED_REGIONS):
+            d = f"{TRIED_REGIONS}/{k}"
+            out.append(
+                TriedRegion(
+                    io.read_int(f"{d}/start"),
+                    io.read_int(f"{d}/end"),
+                    io.read_int(f"{d}/nr_accesses"),
+                    io.read_int(f"{d}/age"),
+                )
+            )
+        return out
+
+    def split_by_target(self, regions: list[TriedRegion]) -> dict[int, list[TriedRegion]]:
+        """Assign dumped regions to targets.
+
+        tried_regions lists the regions target by target, each target's in
+        ascending address order, but does not say which target a region
+        belongs to (targets are different address spaces, so their ranges
+        may even coincide). A region stays with the current target while it
+        continues upwards inside that target's span; otherwise it belongs to
+        the next target whose span contains it.
+        """
+        out: dict[int, list[TriedRegion]] = {pid: [] for pid, _ in self.targets}
+        spans = [(pid, int(r[0, 0]), int(r[-1, 1])) for pid, r in self.targets]
+        t = 0
+        prev_end = -1
+        for reg in regions:
+            while t < len(spans):
+                pid, lo, hi = spans[t]
+                if reg.start >= prev_end and lo <= reg.start and reg.end <= hi:
+                    break
+                t += 1
+                prev_end = -1
+            if t == len(spans):
+                # The kdamond's view is older than ours (a retarget raced the
+                # dump): drop the rest rather than credit the wrong process.
+                break
+            out[spans[t][0]].append(reg)
+            prev_end = reg.end
+        return out
+
+    def collect(self, now: float) -> Observation:
+        if not self.running or self.index is None:
+            return self.empty()
+        try:
+            self.io.write(STATE, UPDATE_TRIED_REGIONS)
+        except KvtierOSError:
+            # A kdamond stops by itself once every target process has exited;
+            # then the command fails. Forget the setup so the next
+            # set_targets starts a fresh one.
+            if self.io.dry_run or self.io.read(STATE) != OFF:
+                raise
+            log.info("kdamond stopped (all target processes exited)")
+            self.running = False
+            self.targets = []
+            return self.empty()
+        per_pid = self.split_by_target(self.read_tried_regions())
+        self.last_regions = per_pid
+        rows_l, counts_l = [], []
+        for pid, regs in per_pid.items():
+            if not regs:
+                continue
+            a = np.array([(r.start, r.end, r.nr_accesses) for r in regs], dtype=np.uint64)
+            rows, mean = self.index.mean_over_blocks(pid, a[:, 0], a[:, 1], a[:, 2].astype(np.float64))
+            rows_l.append(rows)
+            counts_l.append(mean)
+        if not rows_l:
+            return self.empty()
+        return self.observation(np.concatenate(rows_l), np.concatenate(counts_l))
+
+    # -- teardown ---------------------------------------------------------------------
+
+    def _stop(self) -> None:
+        if not self.running:
+            return
+        self.running = False
+        try:
+            self.io.write(STATE, OFF)
+        finally:
+            self.io.write(NR_KDAMONDS, 0)
+
+    def close(self) -> None:
+        try:
+            self._stop()
+        except KvtierError as e:
+            log.warning("DAMON cleanup failed: %s", e)
+        self.targets = []

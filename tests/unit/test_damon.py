@@ -1,0 +1,339 @@
+"""DAMON source against fixture sysfs trees, with the dry-run writer.
+
+The trees mirror what the kernel shows (layout and avail_operations captured
+from the 6.12 guest kernel and this host's 6.18); the writer records the
+exact sequence of writes DAMON would see, which is what these tests assert.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+import pytest
+
+from kvtier.blocks import BlockTable
+from kvtier.errors import ConfigError, KvtierOSError
+from kvtier.native import PAGE_SIZE
+from kvtier.sources import damon as dm
+from kvtier.sysfs_io import SysfsIO, busy_delays
+
+P = PAGE_SIZE
+MIB = 1 << 20
+
+
+def put(root, rel, text):
+    path = os.path.join(root, rel)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text + "\n")
+
+
+def damon_tree(tmp_path, nr_kdamonds=0, state="off", avail="vaddr\nfvaddr\npaddr", regions=()):
+    """A /sys with DAMON's admin tree as the kernel lays it out.
+
+    ``regions``: (start, end, nr_accesses, age) rows for tried_regions.
+    """
+    root = str(tmp_path / "sys")
+    put(root, dm.NR_KDAMONDS, str(nr_kdamonds))
+    put(root, dm.STATE, state)
+    put(root, dm.NR_CONTEXTS, "1")
+    put(root, dm.AVAIL_OPERATIONS, avail)
+    put(root, f"{dm.TRIED_REGIONS}/total_bytes", str(sum(r[1] - r[0] for r in regions)))
+    for k, (s, e, n, a) in enumerate(regions):
+        d = f"{dm.TRIED_REGIONS}/{k}"
+        put(root, f"{d}/start", str(s))
+        put(root, f"{d}/end", str(e))
+        put(root, f"{d}/nr_accesses", str(n))
+        put(root, f"{d}/age", str(a))
+    return root
+
+
+def proc_tree(tmp_path, pids):
+    root = tmp_path / "proc"
+    for pid in pids:
+        (root / str(pid)).mkdir(parents=True, exist_ok=True)
+    return str(root)
+
+
+def table_of(*regions):
+    """regions: (region id, pid, start, length, block size)."""
+    t = BlockTable()
+    for r in regions:
+        t.add_region(r[0], r[1], r[2], r[3], r[4])
+    return t
+
+
+K = dm.KDAMOND
+C = dm.CTX
+S = dm.SCHEME
+
+CONTEXT_WRITES = [
+    (dm.NR_KDAMONDS, "1"),
+    (f"{K}/contexts/nr_contexts", "1"),
+    (f"{C}/operations", "vaddr"),
+    (f"{C}/monitoring_attrs/intervals/sample_us", "5000"),
+    (f"{C}/monitoring_attrs/intervals/aggr_us", "100000"),
+    (f"{C}/monitoring_attrs/intervals/update_us", str(1 << 40)),
+    (f"{C}/monitoring_attrs/nr_regions/min", "10"),
+    (f"{C}/monitoring_attrs/nr_regions/max", "1000"),
+]
+SCHEME_WRITES = [
+    (f"{C}/schemes/nr_schemes", "1"),
+    (f"{S}/action", "stat"),
+    (f"{S}/access_pattern/sz/min", "0"),
+    (f"{S}/access_pattern/sz/max", str(2**64 - 1)),
+    (f"{S}/access_pattern/nr_accesses/min", "0"),
+    (f"{S}/access_pattern/nr_accesses/max", str(2**32 - 1)),
+    (f"{S}/access_pattern/age/min", "0"),
+    (f"{S}/access_pattern/age/max", str(2**32 - 1)),
+]
+
+
+def target_writes(i, pid, ranges):
+    t = f"{C}/targets/{i}"
+    out = [(f"{t}/pid_target", str(pid)), (f"{t}/regions/nr_regions", str(len(ranges)))]
+    for j, (s, e) in enumerate(ranges):
+        out += [(f"{t}/regions/{j}/start", str(s)), (f"{t}/regions/{j}/end", str(e))]
+    return out
+
+
+# -- probe ----------------------------------------------------------------------
+
+
+def test_probe_vaddr_available_and_leaves_no_kdamond(tmp_path):
+    io = SysfsIO(damon_tree(tmp_path), dry_run=True)
+    av = dm.DamonSource(io).probe()
+    assert av.ok, av.reason
+    assert list(io.writes) == [(dm.NR_KDAMONDS, "1"), (dm.NR_CONTEXTS, "1"), (dm.NR_KDAMONDS, "0")]
+
+
+def test_probe_paddr_only_names_the_file(tmp_path):
+    # This host (6.18, CONFIG_DAMON_VADDR off) lists only paddr.
+    root = damon_tree(tmp_path, avail="paddr")
+    av = dm.DamonSource(SysfsIO(root, dry_run=True)).probe()
+    assert not av.ok
+    assert f"DAMON vaddr ops not in {root}/kernel/mm/damon/admin/kdamonds/0/contexts/0/avail_operations" in av.reason
+    assert "has: paddr" in av.reason
+
+
+def test_probe_refuses_kdamonds_of_someone_else(tmp_path):
+    io = SysfsIO(damon_tree(tmp_path, nr_kdamonds=1, state="on"), dry_run=True)
+    av = dm.DamonSource(io).probe()
+    assert not av.ok and "another DAMON user" in av.reason and "on" in av.reason
+    assert list(io.writes) == []  # nothing of theirs touched
+
+
+def test_probe_without_damon_sysfs(tmp_path):
+    av = dm.DamonSource(SysfsIO(str(tmp_path), dry_run=True)).probe()
+    assert not av.ok and "CONFIG_DAMON_SYSFS" in av.reason
+
+
+def test_probe_reports_a_failing_write_instead_of_raising(tmp_path):
+    # The kernel refusing a write (here: nr_kdamonds is a directory, EISDIR;
+    # for a non-root daemon it is EACCES) becomes the reason.
+    root = damon_tree(tmp_path)
+    os.unlink(os.path.join(root, dm.NR_KDAMONDS))
+    os.mkdir(os.path.join(root, dm.NR_KDAMONDS))
+    put(root, dm.NR_KDAMONDS + "/x", "")
+    av = dm.DamonSource(SysfsIO(root)).probe()
+    assert not av.ok and av.reason.startswith("DAMON sysfs: ")
+
+
+# -- set_targets -------------------------------------------------------------------
+
+
+def test_first_set_targets_writes_context_targets_scheme_then_on(tmp_path):
+    base = 0x7F0000000000
+    t = table_of(
+        (1, 100, base, 4 * MIB, 2 * MIB),
+        (2, 100, base + 4 * MIB, 2 * MIB, MIB),  # adjacent: merges with region 1
+        (3, 100, base + 64 * MIB, 2 * MIB + 100, MIB),  # short tail: end rounds up to a page
+        (4, 200, base, MIB, MIB),  # another process, same addresses
+    )
+    io = SysfsIO(damon_tree(tmp_path), dry_run=True)
+    src = dm.DamonSource(io, proc_root=proc_tree(tmp_path, [100, 200]))
+    src.set_targets(t)
+    tail_end = base + 64 * MIB + ((2 * MIB + 100 + P - 1) // P) * P
+    want = (
+        CONTEXT_WRITES
+        + [(f"{C}/targets/nr_targets", "2")]
+        + target_writes(0, 100, [(base, base + 6 * MIB), (base + 64 * MIB, tail_end)])
+        + target_writes(1, 200, [(base, base + MIB)])
+        + SCHEME_WRITES
+        + [(dm.STATE, "on")]
+    )
+    assert list(io.writes) == want
+
+
+def test_retarget_commits_and_same_targets_write_nothing(tmp_path):
+    base = 0x7F0000000000
+    io = SysfsIO(damon_tree(tmp_path), dry_run=True)
+    src = dm.DamonSource(io, proc_root=proc_tree(tmp_path, [100, 200]))
+    t = table_of((1, 100, base, 4 * MIB, MIB))
+    src.set_targets(t)
+    io.clear_log()
+    src.set_targets(t)
+    assert list(io.writes) == []
+    t.add_region(2, 200, base + 8 * MIB, 2 * MIB, MIB)
+    src.set_targets(t)
+    assert list(io.writes) == (
+        [(f"{C}/targets/nr_targets", "2")]
+        + target_writes(0, 100, [(base, base + 4 * MIB)])
+        + target_writes(1, 200, [(base + 8 * MIB, base + 10 * MIB)])
+        + [(dm.STATE, "commit")]
+    )
+
+
+def test_dead_pid_skipped_and_no_targets_stops(tmp_path):
+    base = 0x10000000
+    io = SysfsIO(damon_tree(tmp_path), dry_run=True)
+    src = dm.DamonSource(io, proc_root=proc_tree(tmp_path, [100]))
+    t = table_of((1, 100, base, MIB, MIB), (2, 999, base, MIB, MIB))  # 999 has exited
+    src.set_targets(t)
+    assert (f"{C}/targets/nr_targets", "1") in io.writes
+    assert not any(v == "999" for _, v in io.writes)
+    io.clear_log()
+    t.remove_region(1)
+    src.set_targets(t)  # only the dead pid is left: nothing to monitor
+    assert list(io.writes) == [(dm.STATE, "off"), (dm.NR_KDAMONDS, "0")]
+    io.clear_log()
+    src.close()
+    assert list(io.writes) == []
+
+
+def test_close_turns_off_and_removes_kdamond(tmp_path):
+    io = SysfsIO(damon_tree(tmp_path), dry_run=True)
+    src = dm.DamonSource(io, proc_root=proc_tree(tmp_path, [100]))
+    src.set_targets(table_of((1, 100, 0x10000000, MIB, MIB)))
+    io.clear_log()
+    src.close()
+    assert list(io.writes) == [(dm.STATE, "off"), (dm.NR_KDAMONDS, "0")]
+
+
+# -- collect ----------------------------------------------------------------------
+
+
+def test_collect_spreads_nr_accesses_over_blocks(tmp_path):
+    base = 0x7F0000000000
+    # pid 100: 8 blocks of 1 MiB; pid 200: 2 blocks at the same addresses.
+    regions = [
+        # target 0 (pid 100), ascending
+        (base, base + 2 * MIB, 20, 5),  # blocks 0,1 fully hot (max 20 = aggr/sample)
+        (base + 2 * MIB, base + 5 * MIB // 2, 10, 1),  # half of block 2 at 10
+        (base + 5 * MIB // 2, base + 8 * MIB, 0, 40),  # the rest cold
+        # target 1 (pid 200): addresses restart, which marks the next target
+        (base, base + MIB, 0, 3),
+        (base + MIB, base + 2 * MIB, 4, 0),
+    ]
+    io = SysfsIO(damon_tree(tmp_path, regions=regions), dry_run=True)
+    src = dm.DamonSource(io, proc_root=proc_tree(tmp_path, [100, 200]))
+    t = table_of((1, 100, base, 8 * MIB, MIB), (2, 200, base, 2 * MIB, MIB))
+    src.set_targets(t)
+    io.clear_log()
+    obs = src.collect(now=1.0)
+    assert list(io.writes) == [(dm.STATE, "update_schemes_tried_regions")]
+    got = dict(zip(obs.rows.tolist(), obs.counts.tolist()))
+    # rows 0..7 are pid 100's blocks, 8..9 pid 200's
+    assert got == pytest.approx({0: 20.0, 1: 20.0, 2: 5.0, 9: 4.0})
+    assert obs.source == "damon" and obs.weight == src.weight
+    assert [r.age for r in src.last_regions[200]] == [3, 0]
+
+
+def test_split_by_target_when_next_target_continues_upwards(tmp_path):
+    # Target 1's ranges lie above target 0's: the address does not drop at
+    # the boundary, the spans tell them apart.
+    lo, hi = 0x10000000, 0x50000000
+    io = SysfsIO(damon_tree(tmp_path), dry_run=True)
+    src = dm.DamonSource(io, proc_root=proc_tree(tmp_path, [1, 2]))
+    src.set_targets(table_of((1, 1, lo, 2 * MIB, MIB), (2, 2, hi, 2 * MIB, MIB)))
+    regs = [
+        dm.TriedRegion(lo, lo + MIB, 1, 0),
+        dm.TriedRegion(lo + MIB, lo + 2 * MIB, 2, 0),
+        dm.TriedRegion(hi, hi + 2 * MIB, 3, 0),
+    ]
+    split = src.split_by_target(regs)
+    assert [r.nr_accesses for r in split[1]] == [1, 2]
+    assert [r.nr_accesses for r in split[2]] == [3]
+
+
+def test_collect_before_targets_is_empty_and_writes_nothing(tmp_path):
+    io = SysfsIO(damon_tree(tmp_path), dry_run=True)
+    obs = dm.DamonSource(io).collect(0.0)
+    assert len(obs) == 0 and list(io.writes) == []
+
+
+def test_params_validated():
+    with pytest.raises(ConfigError):
+        dm.DamonParams(min_nr_regions=2)
+    with pytest.raises(ConfigError):
+        dm.DamonParams(sample_us=200_000, aggr_us=100_000)
+    assert dm.DamonParams().max_nr_accesses == 20
+
+
+# -- the writer --------------------------------------------------------------------
+
+
+class BusyKernel(SysfsIO):
+    """A sysfs whose files answer EBUSY a given number of times first, as
+    DAMON's do right after state=on."""
+
+    def __init__(self, root, busy, **kw):
+        super().__init__(root, **kw)
+        self.busy = busy
+        self.done: list[tuple[str, str]] = []
+
+    def _raw_write(self, path, text):
+        if self.busy:
+            self.busy -= 1
+            raise OSError(errno.EBUSY, "busy")
+        self.done.append((path, text))
+
+
+def test_writer_retries_ebusy_with_backoff(tmp_path):
+    slept = []
+    io = BusyKernel(str(tmp_path), busy=3, sleep=slept.append)
+    io.write(dm.STATE, "update_schemes_tried_regions")
+    assert io.done == [(str(tmp_path / dm.STATE), "update_schemes_tried_regions")]
+    assert slept == busy_delays()[:3] and slept == [0.005, 0.01, 0.02]
+    assert io.busy_retries == 3
+
+
+def test_writer_gives_up_after_bounded_tries(tmp_path):
+    slept = []
+    io = BusyKernel(str(tmp_path), busy=100, sleep=slept.append)
+    with pytest.raises(KvtierOSError) as ei:
+        io.write(dm.STATE, "on")
+    assert ei.value.errno == errno.EBUSY
+    assert len(slept) == 9 and max(slept) == 0.32
+    assert sum(slept) < 2.0
+
+
+def test_writer_real_writes_and_missing_file(tmp_path):
+    root = damon_tree(tmp_path)
+    io = SysfsIO(root)
+    io.write(dm.NR_KDAMONDS, 1)
+    assert io.read(dm.NR_KDAMONDS) == "1"
+    with pytest.raises(KvtierOSError) as ei:
+        io.write("kernel/mm/damon/admin/nope/x", 1)
+    assert ei.value.errno == errno.ENOENT
+    assert list(io.writes)[-1] == ("kernel/mm/damon/admin/nope/x", "1")
+
+
+def test_mean_over_blocks_matches_bytewise_reference():
+    rng = np.random.default_rng(7)
+    from kvtier.sources.base import BlockIndex
+
+    t = table_of((1, 5, 1000, 10_000, 700), (2, 5, 50_000, 3_000, 1000))
+    idx = BlockIndex(t)
+    # Random disjoint sorted segments over [0, 60000).
+    cuts = np.sort(rng.choice(60_000, size=40, replace=False)).astype(np.uint64)
+    s, e = cuts[0::2], cuts[1::2]
+    v = rng.integers(0, 20, size=s.size).astype(np.float64)
+    rows, mean = idx.mean_over_blocks(5, s, e, v)
+    dense = np.zeros(60_000)
+    for a, b, x in zip(s.tolist(), e.tolist(), v.tolist()):
+        dense[a:b] = x
+    want = [dense[int(t.addr[r]) : int(t.addr[r] + t.nbytes[r])].mean() for r in rows]
+    np.testing.assert_allclose(mean, want, rtol=1e-9)
