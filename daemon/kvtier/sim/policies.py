@@ -1,0 +1,344 @@
+"""Placement policies the simulator compares, all behind one small interface.
+
+Each policy sees the engine (``eng``: tier/alive arrays, capacities) and is
+called once per tick:
+
+    place(rows)               tiers for newly allocated blocks (first touch by default)
+    observe(rows, counts, times, now)   accesses of the tick just served
+    freed(rows)               blocks freed at the end of the tick
+    decide(now) -> (rows, dst)          moves to make, in execution order
+    moved(rows, dst, ok, now)           what the migrator managed
+
+``kvtier`` runs the real ``kvtier.policy.plan`` on the real ``kvtier.hotness``
+temperatures; the others are models of the usual alternatives (see
+docs/simulator.md for how close each is to its original).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..blocks import F_NOT_PRESENT, FIELDS, TIER_UNKNOWN, BlockTable
+from ..hotness import Temperature
+from ..policy import PolicyConfig, PolicyState, plan, record_results
+
+
+class SimPolicy:
+    name = "base"
+    unlimited = False  # exempt from the migrator's bandwidth (the offline bound only)
+
+    def attach(self, eng) -> None:
+        self.eng = eng
+
+    def place(self, rows: np.ndarray) -> np.ndarray:
+        return self.eng.first_touch(rows)
+
+    def observe(self, rows, counts, times, now) -> None:
+        pass
+
+    def freed(self, rows) -> None:
+        pass
+
+    def decide(self, now):
+        return np.zeros(0, np.int64), np.zeros(0, np.int8)
+
+    def moved(self, rows, dst, ok, now) -> None:
+        pass
+
+
+def _keep_top(eng, cand: np.ndarray, key: np.ndarray):
+    """Fast tier = the C best of (residents U cand) by ``key``: promote the
+    candidates that make it, demote the residents that do not."""
+    res = np.flatnonzero(eng.tier == 0)
+    cand = cand[eng.tier[cand] > 0]
+    if cand.size == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int8)
+    pool = np.concatenate([res, cand])
+    c = eng.cap_blocks[0]
+    if pool.size <= c:
+        return cand, np.zeros(cand.size, np.int8)
+    kk = key[pool]
+    keep = np.zeros(pool.size, bool)
+    keep[np.argpartition(-kk, c - 1)[:c]] = True
+    up = pool[res.size :][keep[res.size :]]
+    down = pool[: res.size][~keep[: res.size]]
+    # the C best can include fewer candidates than free slots... only evict what is needed
+    need = max(0, int(eng.occ[0]) + up.size - c)
+    if need < down.size:
+        down = down[np.argsort(key[down], kind="stable")[:need]]
+    return np.concatenate([down, up]), np.concatenate(
+        [eng.demote_target(down), np.zeros(up.size, np.int8)]
+    )
+
+
+class _Recency(SimPolicy):
+    """Keeps each block's last access time and the set touched in the last tick."""
+
+    def attach(self, eng):
+        super().attach(eng)
+        self.last = np.full(eng.n, -np.inf)
+        self.touched = np.zeros(0, np.int64)
+
+    def observe(self, rows, counts, times, now):
+        np.maximum.at(self.last, rows, times)
+        self.touched = np.unique(rows)
+
+    def freed(self, rows):
+        self.last[rows] = -np.inf
+
+
+class LRU(_Recency):
+    """Fast tier as an LRU cache: every block touched in a slower tier is
+    promoted at the end of the tick, the least recently used residents leave."""
+
+    name = "lru"
+
+    def decide(self, now):
+        return _keep_top(self.eng, self.touched, self.last)
+
+
+class LFU(_Recency):
+    """Frequency since allocation (no ageing); recency breaks ties."""
+
+    name = "lfu"
+
+    def attach(self, eng):
+        super().attach(eng)
+        self.freq = np.zeros(eng.n)
+
+    def observe(self, rows, counts, times, now):
+        super().observe(rows, counts, times, now)
+        np.add.at(self.freq, rows, counts)
+
+    def freed(self, rows):
+        super().freed(rows)
+        self.freq[rows] = 0
+
+    def decide(self, now):
+        # frequency first, then recency (scaled below one access)
+        t = self.last - now
+        return _keep_top(self.eng, self.touched, self.freq + 1e-3 / (1.0 - np.maximum(t, -1e9)))
+
+
+class KernelNumaBalancing(_Recency):
+    """numa_balancing=2 (memory tiering) in outline.
+
+    The scanner unmaps ``scan_mb_per_s`` of slow-tier memory per second
+    (kernel default numa_balancing_scan_size_mb=256 per scan period, period
+    >= 1 s); a scanned block touched within ``hot_threshold_s`` takes a hint
+    fault and is promoted if the fast tier has free pages above the promotion
+    watermark. kswapd demotes the least recently used fast-tier blocks to keep
+    ``free_frac`` free. Promotion is capped by ``promote_rate_mbps``
+    (numa_balancing_promote_rate_limit_MBps, default 65536).
+    """
+
+    name = "kernel"
+
+    def __init__(self, scan_mb_per_s=256.0, hot_threshold_s=1.0, free_frac=0.02, promote_rate_mbps=65536.0):
+        self.scan_mb_per_s = scan_mb_per_s
+        self.hot_threshold_s = hot_threshold_s
+        self.free_frac = free_frac
+        self.promote_rate_mbps = promote_rate_mbps
+
+    def attach(self, eng):
+        super().attach(eng)
+        self.scanned_at = np.full(eng.n, -np.inf)
+        self.cursor = 0
+
+    def freed(self, rows):
+        super().freed(rows)
+        self.scanned_at[rows] = -np.inf
+
+    def decide(self, now):
+        eng = self.eng
+        # hint faults: touched slow-tier blocks scanned shortly before the touch
+        t = self.touched
+        sc = self.scanned_at[t]
+        lat = np.full(t.size, np.inf)  # hint-fault latency; never scanned -> no fault
+        seen = np.isfinite(sc)
+        lat[seen] = self.last[t][seen] - sc[seen]
+        hot = t[(eng.tier[t] > 0) & (lat >= 0) & (lat <= self.hot_threshold_s)]
+        # scanner advances over slow-tier blocks (address order, wraps)
+        k = int(self.scan_mb_per_s * eng.tick_s * (1 << 20) // eng.block_bytes)
+        slow = np.flatnonzero(eng.alive & (eng.tier > 0))
+        if slow.size and k:
+            start = int(np.searchsorted(slow, self.cursor))
+            pick = np.take(slow, np.arange(start, start + min(k, slow.size)), mode="wrap")
+            self.scanned_at[pick] = now
+            self.cursor = int(pick[-1]) + 1
+        c = eng.cap_blocks[0]
+        limit = int(self.promote_rate_mbps * eng.tick_s * (1 << 20) // eng.block_bytes)
+        hot = hot[np.argsort(-self.last[hot], kind="stable")][:limit]
+        # kswapd: keep free_frac of the fast tier free; promotion only into that
+        # headroom's complement (the kernel wakes kswapd to make room)
+        floor = int(c * (1 - self.free_frac))
+        need = max(0, int(eng.occ[0]) + hot.size - floor)
+        res = np.flatnonzero(eng.tier == 0)
+        down = res[np.argsort(self.last[res], kind="stable")[:need]]
+        up = hot[: max(0, floor - int(eng.occ[0]) + down.size)]
+        return np.concatenate([down, up]), np.concatenate([eng.demote_target(down), np.zeros(up.size, np.int8)])
+
+
+class Damos(SimPolicy):
+    """DAMON + DAMOS migrate_hot / migrate_cold in outline.
+
+    Regions are fixed runs of ``region_blocks`` adjacent blocks (real DAMON
+    adapts 10..1000 regions over the whole space, usually coarser). A
+    region's access frequency is the fraction of its live blocks touched in
+    the tick; regions at or above ``hot_frac`` are promoted hottest first,
+    regions untouched for ``cold_age_s`` are demoted, each within a quota of
+    ``quota_mbps``; promotion stops at ``high_wm`` of the fast tier.
+    """
+
+    name = "damos"
+
+    def __init__(self, region_blocks=8, hot_frac=0.5, cold_age_s=5.0, quota_mbps=4096.0, high_wm=0.95):
+        self.region_blocks = region_blocks
+        self.hot_frac = hot_frac
+        self.cold_age_s = cold_age_s
+        self.quota_mbps = quota_mbps
+        self.high_wm = high_wm
+
+    def attach(self, eng):
+        super().attach(eng)
+        self.nreg = (eng.n + self.region_blocks - 1) // self.region_blocks
+        self.freq = np.zeros(self.nreg)
+        self.last_hit = np.full(self.nreg, -np.inf)
+
+    def observe(self, rows, counts, times, now):
+        eng = self.eng
+        reg = np.unique(rows) // self.region_blocks
+        hits = np.bincount(reg, minlength=self.nreg)
+        live = np.bincount(np.flatnonzero(eng.alive) // self.region_blocks, minlength=self.nreg)
+        self.freq = hits / np.maximum(live, 1)
+        self.last_hit[hits > 0] = now
+
+    def decide(self, now):
+        eng = self.eng
+        quota = int(self.quota_mbps * eng.tick_s * (1 << 20) // eng.block_bytes)
+        blk_reg = np.arange(eng.n) // self.region_blocks
+        # migrate_cold
+        cold_reg = (now - self.last_hit) >= self.cold_age_s
+        down = np.flatnonzero((eng.tier == 0) & cold_reg[blk_reg])[:quota]
+        # migrate_hot, hottest regions first
+        cand = np.flatnonzero((eng.tier > 0) & eng.alive & (self.freq[blk_reg] >= self.hot_frac))
+        cand = cand[np.argsort(-self.freq[blk_reg[cand]], kind="stable")][:quota]
+        room = max(0, int(eng.cap_blocks[0] * self.high_wm) - int(eng.occ[0]) + down.size)
+        up = cand[:room]
+        return np.concatenate([down, up]), np.concatenate([eng.demote_target(down), np.zeros(up.size, np.int8)])
+
+
+class Kvtier(SimPolicy):
+    """The daemon's own policy: kvtier.hotness temperatures + kvtier.policy.plan."""
+
+    name = "kvtier"
+
+    def __init__(self, cfg: PolicyConfig | None = None, tau_s: float = 1.0):
+        self.cfg = cfg or sim_policy_config()
+        self.tau_s = tau_s
+
+    def attach(self, eng):
+        super().attach(eng)
+        self.table = BlockTable(eng.n)
+        self.table.add_region(0, 0, 0, eng.n * eng.block_bytes, eng.block_bytes)
+        self.table.flags[:] = F_NOT_PRESENT
+        self.temp = Temperature(self.tau_s)
+        self.state = PolicyState()
+        self.tiers = [t.state(i) for i, t in enumerate(eng.cfg.tiers)]
+        self.view = {name: getattr(self.table, name) for name in FIELDS}  # live, no copy: plan() is pure
+
+    def place(self, rows):
+        dst = super().place(rows)
+        tb = self.table
+        tb.tier[rows] = dst
+        tb.flags[rows] = 0
+        tb.temp[rows] = 0
+        tb.last_move[rows] = -np.inf
+        tb.retry_at[rows] = -np.inf
+        tb.fail_count[rows] = 0
+        return dst
+
+    def observe(self, rows, counts, times, now):
+        self.temp.decay(self.table, now)
+        self.temp.add(self.table, rows, counts, now)
+        self.table.tier[:] = self.eng.tier  # implicit moves (swap-in) are the engine's
+
+    def freed(self, rows):
+        self.table.tier[rows] = TIER_UNKNOWN
+        self.table.flags[rows] = F_NOT_PRESENT
+        self.table.temp[rows] = 0
+
+    def decide(self, now):
+        p, self.state = plan(self.view, self.tiers, self.cfg, self.state, now)
+        self.last_plan = p
+        return p.rows, p.dst
+
+    def moved(self, rows, dst, ok, now):
+        # moves the migrator did not get to are neither successes nor failures:
+        # the next plan simply asks again
+        record_results(self.table, rows[ok], np.ones(int(ok.sum()), bool), np.zeros(int(ok.sum()), bool),
+                       now, self.cfg, dst=dst[ok])
+
+
+def sim_policy_config(**kw) -> PolicyConfig:
+    """kvtier's policy settings for the simulator (the daemon's defaults, with
+    temperature thresholds in the trace's count units)."""
+    base = dict(
+        promote_temp=2.0, demote_temp=0.5, min_residence_s=2.0, high_wm=0.97, low_wm=0.92, margin_sigma=1.0
+    )
+    base.update(kw)
+    return PolicyConfig(**base)
+
+
+class Belady(SimPolicy):
+    """Offline optimum for the fast tier, the limit the others are measured against.
+
+    Within a tick every policy serves accesses from a fixed placement, and at
+    most C blocks alive in the tick sit in the fast tier; so no policy can hit
+    more than the C most-accessed blocks of each tick. This oracle reads the
+    next tick from the trace and puts exactly those there (migration is free
+    and unlimited for it), which reaches that bound: Belady's rule at tick
+    granularity, with the future known.
+    """
+
+    name = "belady"
+    unlimited = True
+
+    def attach(self, eng):
+        super().attach(eng)
+        self.chosen = np.zeros(eng.n, bool)
+
+    def _next_set(self):
+        rows, counts = self.eng.future_accesses(1)
+        c = self.eng.cap_blocks[0]
+        if rows.size > c:
+            rows = rows[np.argpartition(-counts, c - 1)[:c]]
+        return rows
+
+    def place(self, rows):
+        dst = self.eng.first_touch(rows, skip_fast=True)
+        dst[self.chosen[rows]] = 0
+        return dst
+
+    def decide(self, now):
+        eng = self.eng
+        want = self._next_set()
+        self.chosen[:] = False
+        self.chosen[want] = True
+        up = want[eng.alive[want] & (eng.tier[want] > 0)]
+        reserved = int(np.count_nonzero(~eng.alive[want]))  # allocated next tick, placed by place()
+        res = np.flatnonzero(eng.tier == 0)
+        spare = res[~self.chosen[res]]
+        need = max(0, int(eng.occ[0]) + up.size + reserved - eng.cap_blocks[0])
+        down = spare[:need]
+        return np.concatenate([down, up]), np.concatenate([eng.demote_target(down), np.zeros(up.size, np.int8)])
+
+
+POLICIES = {
+    "kvtier": Kvtier,
+    "lru": LRU,
+    "lfu": LFU,
+    "kernel": KernelNumaBalancing,
+    "damos": Damos,
+    "belady": Belady,
+}

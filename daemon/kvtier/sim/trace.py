@@ -1,0 +1,168 @@
+"""KV-block access traces: the in-memory form and the two file formats.
+
+A trace is four parallel arrays sorted by time:
+
+    t      float64  seconds since the start
+    block  int64    block id, 0 <= id < nblocks (ids are reused after a free)
+    op     uint8    OP_ALLOC, OP_ACCESS or OP_FREE
+    count  float32  accesses this record stands for (decode steps aggregated); 0 for alloc/free
+
+plus ``nblocks`` (size of the id space, the KV pool) and ``block_bytes``.
+
+Files:
+- ``.npz`` (numpy): arrays ``t, block, op, count`` and scalars ``nblocks,
+  block_bytes``; ``meta`` holds the generator's parameters as a JSON string.
+- ``.csv``: a header line ``# kvtier-trace nblocks=N block_bytes=B``, then
+  ``time,block,op,count`` (optional header key ``blocks_per_seq``) with op one of ``alloc``/``access``/``free``. Handy
+  for recordings from a real engine: ids may be any integers, they are mapped
+  to dense ids in order of first appearance.
+
+Contract the simulator relies on: an id is allocated before it is accessed,
+freed at most once per allocation, and not reallocated within the same tick
+as its free (the generator reuses ids first-in first-out, so this holds).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import InvalidArgument
+
+OP_ALLOC, OP_ACCESS, OP_FREE = 0, 1, 2
+OP_NAMES = ("alloc", "access", "free")
+CSV_MAGIC = "# kvtier-trace"
+
+
+@dataclass
+class Trace:
+    t: np.ndarray
+    block: np.ndarray
+    op: np.ndarray
+    count: np.ndarray
+    nblocks: int
+    block_bytes: int
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.t = np.asarray(self.t, dtype=np.float64)
+        self.block = np.asarray(self.block, dtype=np.int64)
+        self.op = np.asarray(self.op, dtype=np.uint8)
+        self.count = np.asarray(self.count, dtype=np.float32)
+        n = self.t.size
+        if not (self.block.size == self.op.size == self.count.size == n):
+            raise InvalidArgument("trace: arrays differ in length")
+        if n and (np.any(np.diff(self.t) < 0)):
+            order = np.argsort(self.t, kind="stable")
+            self.t, self.block, self.op, self.count = (a[order] for a in (self.t, self.block, self.op, self.count))
+        if n and (self.block.min() < 0 or self.block.max() >= self.nblocks):
+            raise InvalidArgument(f"trace: block id outside 0..{self.nblocks - 1}")
+        if n and self.op.max() > OP_FREE:
+            raise InvalidArgument("trace: unknown op code")
+
+    def __len__(self) -> int:
+        return int(self.t.size)
+
+    @property
+    def accesses(self) -> int:
+        return int(np.count_nonzero(self.op == OP_ACCESS))
+
+    @property
+    def duration(self) -> float:
+        return float(self.t[-1]) if self.t.size else 0.0
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        if path.suffix == ".csv":
+            write_csv(self, path)
+        else:
+            np.savez_compressed(
+                path,
+                t=self.t,
+                block=self.block,
+                op=self.op,
+                count=self.count,
+                nblocks=np.int64(self.nblocks),
+                block_bytes=np.int64(self.block_bytes),
+                meta=np.array(json.dumps(self.meta)),
+            )
+
+
+def load(path: str | Path) -> Trace:
+    path = Path(path)
+    if path.suffix == ".csv":
+        return read_csv(path)
+    with np.load(path, allow_pickle=False) as z:
+        meta = json.loads(str(z["meta"])) if "meta" in z else {}
+        return Trace(z["t"], z["block"], z["op"], z["count"], int(z["nblocks"]), int(z["block_bytes"]), meta)
+
+
+def write_csv(tr: Trace, path: Path) -> None:
+    ops = np.array(OP_NAMES)[tr.op]
+    with open(path, "w") as f:
+        extra = f" blocks_per_seq={tr.meta['blocks_per_seq']:g}" if tr.meta.get("blocks_per_seq") else ""
+        f.write(f"{CSV_MAGIC} nblocks={tr.nblocks} block_bytes={tr.block_bytes}{extra}\n")
+        f.write("time,block,op,count\n")
+        for t, b, o, c in zip(tr.t.tolist(), tr.block.tolist(), ops.tolist(), tr.count.tolist()):
+            f.write(f"{t:.6f},{b},{o},{c:g}\n")
+
+
+def read_csv(path: Path, block_bytes: int = 2 << 20) -> Trace:
+    nblocks = None
+    meta: dict = {}
+    with open(path) as f:
+        first = f.readline()
+        if first.startswith(CSV_MAGIC):
+            for kv in first[len(CSV_MAGIC) :].split():
+                k, _, v = kv.partition("=")
+                if k == "nblocks":
+                    nblocks = int(v)
+                elif k == "block_bytes":
+                    block_bytes = int(v)
+                elif k == "blocks_per_seq":
+                    meta[k] = float(v)
+            header = f.readline()
+        else:
+            header = first
+        if header.strip().replace(" ", "") != "time,block,op,count":
+            raise InvalidArgument(f"{path}: expected header 'time,block,op,count', got {header.strip()!r}")
+        rows = [line.split(",") for line in f if line.strip() and not line.startswith("#")]
+    if not rows:
+        return Trace([], [], [], [], nblocks or 1, block_bytes, meta)
+    cols = list(zip(*rows))
+    t = np.array(cols[0], dtype=np.float64)
+    raw = np.array(cols[1], dtype=np.int64)
+    names = {n: i for i, n in enumerate(OP_NAMES)}
+    try:
+        op = np.array([names[o.strip()] for o in cols[2]], dtype=np.uint8)
+    except KeyError as e:
+        raise InvalidArgument(f"{path}: unknown op {e.args[0]!r}") from None
+    count = np.array(cols[3], dtype=np.float32)
+    if nblocks is None or raw.min() < 0 or raw.max() >= nblocks:
+        # foreign ids: dense ids in order of first appearance
+        _, first_idx, inv = np.unique(raw, return_index=True, return_inverse=True)
+        rank = np.empty(first_idx.size, dtype=np.int64)
+        rank[np.argsort(first_idx, kind="stable")] = np.arange(first_idx.size)
+        raw = rank[inv]
+        nblocks = int(first_idx.size)
+    return Trace(t, raw, op, count, nblocks, block_bytes, meta)
+
+
+def concat(parts_t, parts_b, parts_o, parts_c, nblocks: int, block_bytes: int, meta: dict) -> Trace:
+    """Build a trace from lists of per-step arrays (the generator's output)."""
+
+    def cat(p, dt):
+        return np.concatenate(p).astype(dt) if p else np.zeros(0, dtype=dt)
+
+    return Trace(
+        cat(parts_t, np.float64),
+        cat(parts_b, np.int64),
+        cat(parts_o, np.uint8),
+        cat(parts_c, np.float32),
+        nblocks,
+        block_bytes,
+        meta,
+    )
