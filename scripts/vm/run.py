@@ -258,9 +258,9 @@ def _supervise(argv: list[str], log: Path, timeout: float, echo: bool, out) -> G
     t0 = time.monotonic()
     marks: dict[str, float] = {}
     exit_code: list[int] = []
+    # The QEMU command line goes beside the log, so the log's tail stays the guest's.
+    log.with_name(log.name + ".cmdline").write_text(shlex.join(argv) + "\n")
     with open(log, "w", errors="replace") as logf:
-        logf.write("# " + shlex.join(argv) + "\n")
-        logf.flush()
         proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True,
