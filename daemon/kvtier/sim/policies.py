@@ -307,9 +307,10 @@ class Belady(SimPolicy):
     def attach(self, eng):
         super().attach(eng)
         self.chosen = np.zeros(eng.n, bool)
+        self.chosen[self._set_for(0)] = True  # tick 0's allocations are placed before any decide
 
-    def _next_set(self):
-        rows, counts = self.eng.future_accesses(1)
+    def _set_for(self, tick: int):
+        rows, counts = self.eng.future_accesses(tick)
         c = self.eng.cap_blocks[0]
         if rows.size > c:
             rows = rows[np.argpartition(-counts, c - 1)[:c]]
@@ -322,7 +323,7 @@ class Belady(SimPolicy):
 
     def decide(self, now):
         eng = self.eng
-        want = self._next_set()
+        want = self._set_for(eng.k + 1)
         self.chosen[:] = False
         self.chosen[want] = True
         up = want[eng.alive[want] & (eng.tier[want] > 0)]

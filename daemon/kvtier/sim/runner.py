@@ -97,9 +97,8 @@ class Engine:
         """Next tier down for each row (policies without their own cascade)."""
         return np.minimum(self.tier[rows].astype(np.int64) + 1, len(self.cap_blocks) - 1).astype(np.int8)
 
-    def future_accesses(self, ahead: int = 1):
-        """Aggregated (rows, counts) of tick k+ahead: for the offline bound only."""
-        j = self.k + ahead
+    def future_accesses(self, j: int):
+        """Aggregated (rows, counts) of tick ``j``: for the offline bound only."""
         if j >= self.nticks:
             return np.zeros(0, np.int64), np.zeros(0)
         lo, hi = self.edges[j], self.edges[j + 1]
