@@ -137,8 +137,8 @@ class Engine:
                 self.occ += np.bincount(dst, minlength=T)
             m = op == OP_ACCESS
             rows = blk[m]
+            cnt = tr.count[lo:hi][m]
             if rows.size:
-                cnt = tr.count[lo:hi][m]
                 tt = self.tier[rows]
                 if (tt < 0).any():
                     bad = int(rows[tt < 0][0])
@@ -146,7 +146,7 @@ class Engine:
                 served += np.bincount(tt, weights=cnt, minlength=T)
                 if self.swap.any():
                     self._swap_in(np.unique(rows[self.swap[tt]]), mem, moved)
-                policy.observe(rows, cnt, tr.t[lo:hi][m], now)
+            policy.observe(rows, cnt, tr.t[lo:hi][m], now)  # also when empty: "nothing touched"
             f = blk[op == OP_FREE]
             if f.size:
                 policy.freed(f)
