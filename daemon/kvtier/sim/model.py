@@ -49,8 +49,8 @@ class SimTier:
 
 # Defaults: see docs/simulator.md for where each figure comes from.
 DEFAULT_TIERS = (
-    SimTier("dram", "dram", 64 * GIB, latency_ns=100.0, read_gbps=40.0, migrate_gbps=10.0, usd_per_gb=3.0),
-    SimTier("cxl", "cxl", 256 * GIB, latency_ns=250.0, read_gbps=20.0, migrate_gbps=10.0, usd_per_gb=1.5),
+    SimTier("dram", "dram", 64 * GIB, latency_ns=100.0, read_gbps=40.0, migrate_gbps=4.0, usd_per_gb=3.0),
+    SimTier("cxl", "cxl", 256 * GIB, latency_ns=250.0, read_gbps=20.0, migrate_gbps=4.0, usd_per_gb=1.5),
 )
 DEFAULT_SWAP = SimTier(
     "swap", "swap", 1024 * GIB, latency_ns=80_000.0, read_gbps=3.0, migrate_gbps=2.0, usd_per_gb=0.08

@@ -94,8 +94,19 @@ class Engine:
         return dst
 
     def demote_target(self, rows: np.ndarray) -> np.ndarray:
-        """Next tier down for each row (policies without their own cascade)."""
-        return np.minimum(self.tier[rows].astype(np.int64) + 1, len(self.cap_blocks) - 1).astype(np.int8)
+        """For policies without their own cascade: the nearest slower tier with
+        room, filled in row order (the next tier down if none has room)."""
+        T = len(self.cap_blocks)
+        src = self.tier[rows].astype(np.int64)
+        dst = np.minimum(src + 1, T - 1)
+        room = np.maximum(self.cap_blocks - self.occ, 0)
+        done = np.zeros(rows.size, bool)
+        for t in range(1, T):
+            m = np.flatnonzero(~done & (src < t))
+            take = m[: int(room[t])]
+            dst[take] = t
+            done[take] = True
+        return dst.astype(np.int8)
 
     def future_accesses(self, j: int):
         """Aggregated (rows, counts) of tick ``j``: for the offline bound only."""
@@ -186,12 +197,16 @@ class Engine:
             # one migrator with tick_s of time, moves executed in plan order
             ok &= np.cumsum(mig_ns[s, d]) <= self.tick_s * 1e9
         # capacity along the sequence: the first move that overfills its
-        # destination stops the migrator (later ones may depend on it)
+        # destination stops the migrator (later ones may depend on it). The
+        # offline bound may exchange blocks between two full tiers: only its
+        # end state must fit.
         for t in range(T):
             occ = self.occ[t] + np.cumsum((d == t).astype(np.int64) - (s == t))
-            bad = np.flatnonzero((occ > self.cap_blocks[t]) & (d == t))
+            if policy.unlimited:
+                occ = np.where(np.arange(n) == n - 1, occ, 0) if n else occ
+            bad = np.flatnonzero((occ > self.cap_blocks[t]) & ((d == t) | policy.unlimited))
             if bad.size:
-                ok[bad[0] :] = False
+                ok[(0 if policy.unlimited else bad[0]) :] = False
         stop = n if ok.all() else int(np.argmin(ok))
         ok[stop:] = False
         r2, s2, d2 = r[ok], s[ok], d[ok]
