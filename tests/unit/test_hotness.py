@@ -49,8 +49,8 @@ def test_steady_rate_settles_at_rate_times_tau():
     assert t.temp[0] == pytest.approx(r * dt / (1 - math.exp(-dt / 4.0)), rel=1e-4)
 
 
-@pytest.mark.parametrize("nrows", [5, 5000])  # add.at path and bincount path
-def test_duplicates_add_up_on_both_paths(nrows):
+@pytest.mark.parametrize("nrows", [5, 5000])  # sparse and dense batches
+def test_duplicates_add_up(nrows):
     t = table(64)
     h = Temperature(10.0)
     rng = np.random.default_rng(1)
