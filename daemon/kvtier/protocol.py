@@ -252,7 +252,8 @@ def _salvage_id(payload: bytes | memoryview) -> int:
         rid = _id_decoder.decode(payload).id
     except (msgspec.DecodeError, msgspec.ValidationError):
         return 0
-    return rid if isinstance(rid, int) and 0 <= rid < (1 << 63) else 0
+    # bool is an int subclass: an id of `false` must not be echoed as one.
+    return rid if type(rid) is int and 0 <= rid < (1 << 63) else 0
 
 
 def frame(payload: bytes) -> bytes:

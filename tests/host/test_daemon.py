@@ -51,7 +51,7 @@ class DaemonProc:
         self.state = os.path.join(workdir, "state.json")
         self.config = os.path.join(workdir, "kvtierd.toml")
         self.log = os.path.join(workdir, "kvtierd.log")
-        self.args = args
+        self.args = args  # e.g. ("--set", "daemon.tick_interval=0.2") to override the base config
         self.write_config(extra_config)
         self.proc: subprocess.Popen | None = None
 
