@@ -481,3 +481,37 @@ def _try_client(path):
         return Client(path, reconnect_timeout=0)
     except (OSError, KvtierClientError):
         return None
+
+
+def ctl(daemon, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, "-m", "kvtier.ctl", "--socket", daemon.sock, *args], capture_output=True, text=True)
+
+
+def test_kvtierctl_against_the_daemon(daemon):
+    with ChildClient(daemon.sock, size=4 << 20) as child:
+        r = child("register", name="kv-ctl", tenant="t1")
+        child("hint", blocks=[2, 2, 3])
+        measured(child)
+        rid = str(r["region"])
+        regs = json.loads(ctl(daemon, "--json", "regions").stdout)["regions"]
+        assert [(x["id"], x["name"], x["blocks_by_tier"]) for x in regs] == [(r["region"], "kv-ctl", {"0": 4})]
+        assert "kv-ctl" in ctl(daemon, "regions").stdout
+        b = json.loads(ctl(daemon, "blocks", rid, "--json").stdout)  # --json after the command works too
+        assert b["tiers"] == [0, 0, 0, 0] and b["temps"][2] > b["temps"][3] > 0 == b["temps"][0]
+        assert b["last_access_age"][0] is None  # never accessed: null, not Infinity
+        m = ctl(daemon, "--json", "migrate", rid, "dram", "--blocks", "0-1,3", "--pin")
+        assert json.loads(m.stdout) == {"queued": 3, "pinned": 3}
+        flags = json.loads(ctl(daemon, "--json", "blocks", rid).stdout)["flags"]
+        assert [bool(f & 16) for f in flags] == [True, True, False, True]  # F_MANUAL_PIN
+        assert json.loads(ctl(daemon, "--json", "unpin", rid).stdout) == {"blocks": 4}
+        assert "plan:" in ctl(daemon, "explain", rid, "2").stdout
+        bad = ctl(daemon, "pin", rid, "--tier", "nvme9")
+        assert bad.returncode == 1 and "no tier named 'nvme9'" in bad.stderr
+        st = json.loads(ctl(daemon, "--json", "status").stdout)
+        assert st["regions"] == 1 and st["engine"]["tiers"] == ["dram"]
+        assert json.loads(ctl(daemon, "--json", "tiers").stdout)["tiers"][0]["kvtier_blocks"] == 4
+    down = subprocess.run([PY, "-m", "kvtier.ctl", "--socket", daemon.sock + ".none", "status"],
+                          capture_output=True, text=True)
+    assert down.returncode == 3 and "unavailable" in down.stderr
+    topo = subprocess.run([PY, "-m", "kvtier.ctl", "--json", "topology"], capture_output=True, text=True)
+    assert json.loads(topo.stdout)["tiers"][0]["kind"] == "dram"

@@ -1,0 +1,283 @@
+"""kvtierctl: the operator's view of kvtierd.
+
+    kvtierctl status | stats | tiers | regions [--pid P] | blocks REGION
+    kvtierctl migrate REGION TIER [--blocks 0-15,40] [--pin]
+    kvtierctl pin REGION [--tier T] [--blocks ...] | unpin REGION [--blocks ...]
+    kvtierctl explain REGION BLOCK
+    kvtierctl topology            (no daemon needed: reads sysfs/procfs itself)
+    kvtierctl top                 (live view)
+
+Every command takes ``--json`` and then prints exactly the daemon's answer
+(packed per-block arrays decoded to lists), so scripts never parse tables.
+Exit status: 0 ok, 1 the daemon refused, 2 usage, 3 daemon unreachable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import numpy as np
+
+from kvtier import protocol as P
+from kvtier import top as top_mod
+from kvtier.blocks import F_KEEP_DRAM, F_MANUAL_PIN, F_NEVER_SWAP, F_NOT_PRESENT, F_PREFILL_DONE, F_UNMOVABLE
+from kvtier.client import Client, DaemonUnavailable, KvtierClientError
+
+EXIT_REFUSED, EXIT_USAGE, EXIT_UNAVAILABLE = 1, 2, 3
+
+FLAG_LETTERS = ((F_UNMOVABLE, "U"), (F_KEEP_DRAM, "D"), (F_NEVER_SWAP, "S"), (F_PREFILL_DONE, "P"),
+                (F_MANUAL_PIN, "M"), (F_NOT_PRESENT, "-"))
+human = top_mod.human
+
+
+def parse_blocks(spec: str | None) -> bytes | None:
+    """"0-15,40,42" -> packed <u4 indices (inclusive ranges)."""
+    if spec is None:
+        return None
+    out: list[np.ndarray] = []
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, sep, hi = part.partition("-")
+        try:
+            a = int(lo)
+            b = int(hi) if sep else a
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"bad block list {spec!r}: use e.g. 0-15,40") from None
+        if a < 0 or b < a:
+            raise argparse.ArgumentTypeError(f"bad block range {part!r}")
+        out.append(np.arange(a, b + 1, dtype=P.BLOCKS_DTYPE))
+    return np.concatenate(out).tobytes() if out else b""
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, bytes):
+        return x.hex()
+    if isinstance(x, float) and not np.isfinite(x):
+        return None  # JSON has no Infinity: "never accessed" becomes null
+    return x
+
+
+def decode_blocks(r: dict) -> dict:
+    """A ``blocks``/``query`` answer with its packed arrays as lists."""
+    out = dict(r)
+    for key, dt in (("tiers", P.TIERS_DTYPE), ("temps", P.TEMPS_DTYPE), ("flags", P.FLAGS_DTYPE),
+                    ("last_access_age", P.TIMES_DTYPE)):
+        if key in out:
+            out[key] = np.frombuffer(out[key], dtype=dt).tolist()
+    return out
+
+
+def flag_string(f: int) -> str:
+    return "".join(ch for bit, ch in FLAG_LETTERS if f & bit) or "."
+
+
+def table(header: tuple[str, ...], rows: list[tuple]) -> str:
+    rows = [tuple(str(c) for c in r) for r in rows]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows])
+
+
+def tier_label(names: list[str], t: int) -> str:
+    if 0 <= t < len(names):
+        return names[t]
+    return "unknown" if t == -1 else "mixed" if t == -2 else str(t)
+
+
+def resolve_tier(client: Client, spec: str) -> int:
+    if spec.isdigit():
+        return int(spec)
+    names = [t["name"] for t in client.request("tiers")["tiers"]]
+    if spec in names:
+        return names.index(spec)
+    raise KvtierClientError("tier", "invalid_argument", f"no tier named {spec!r} (tiers: {', '.join(names)})")
+
+
+# -- commands ---------------------------------------------------------------
+
+
+def cmd_status(c: Client, a) -> tuple[Any, str]:
+    s = c.request("status")
+    e = s["engine"]
+    lines = [
+        f"kvtierd {s['server_version']} pid {s['pid']}, up {top_mod.duration(s['uptime_s'])}"
+        + (" (dry run)" if e.get("dry_run") else ""),
+        f"regions {s['regions']} of {s['processes']} processes, {s['blocks']} blocks, "
+        f"{human(s['registered_bytes'])} registered; {s['connections']} client connections",
+        f"tiers: {', '.join(e['tiers']) or 'none'}; migration running: {'yes' if e['job_running'] else 'no'}",
+    ]
+    lines += [f"warning: {w}" for w in e.get("warnings", [])]
+    return s, "\n".join(lines)
+
+
+def cmd_stats(c: Client, a) -> tuple[Any, str]:
+    s = c.request("stats")
+    lines = []
+    for k, v in s.items():
+        if isinstance(v, dict) and "buckets" in v:
+            v = f"count={v['count']} sum={v['sum']:.3f}s"
+        elif isinstance(v, dict):
+            v = ", ".join(f"{kk}={vv}" for kk, vv in v.items()) or "-"
+        lines.append(f"{k:32s} {v}")
+    return s, "\n".join(lines)
+
+
+def cmd_tiers(c: Client, a) -> tuple[Any, str]:
+    r = c.request("tiers")
+    rows = [(t["index"], t["name"], t["kind"], ",".join(map(str, t["nodes"])) or "-", human(t["total"]),
+             human(t["free"]), human(t["kvtier_bytes"]), t["kvtier_blocks"]) for t in r["tiers"]]
+    return r, table(("TIER", "NAME", "KIND", "NODES", "TOTAL", "FREE", "KVTIER", "BLOCKS"), rows)
+
+
+def cmd_regions(c: Client, a) -> tuple[Any, str]:
+    r = c.request("regions", **({"pid": a.pid} if a.pid else {}))
+    names = c.request("tiers")["tiers"]
+    names = [t["name"] for t in names]
+    rows = []
+    for x in r["regions"]:
+        by = ", ".join(f"{tier_label(names, int(t))}:{n}" for t, n in sorted(x["blocks_by_tier"].items()))
+        rows.append((x["id"], x["pid"], x["name"] or "-", x["tenant"] or "-", x["priority"], human(x["length"]),
+                     human(x["block_size"]), x["nblocks"], by, ",".join(x["constraints"]) or "-"))
+    return r, table(("ID", "PID", "NAME", "TENANT", "PRIO", "SIZE", "BLOCK", "BLOCKS", "TIERS", "CONSTRAINTS"),
+                    rows)
+
+
+def cmd_blocks(c: Client, a) -> tuple[Any, str]:
+    r = decode_blocks(c.request("blocks", region=a.region, first=a.first,
+                                **({"count": a.count} if a.count is not None else {})))
+    names = r["tier_names"]
+    rows = [(r["first"] + i, tier_label(names, t), f"{temp:.3g}", flag_string(f),
+             "never" if age == float("inf") else f"{age:.1f}s")
+            for i, (t, temp, f, age) in enumerate(zip(r["tiers"], r["temps"], r["flags"], r["last_access_age"]))]
+    legend = "flags: U unmovable, D keep_dram, S never_swap, P prefill done, M pinned, - not touched"
+    return r, table(("BLOCK", "TIER", "TEMP", "FLAGS", "LAST ACCESS"), rows) + "\n" + legend
+
+
+def cmd_migrate(c: Client, a) -> tuple[Any, str]:
+    tier = resolve_tier(c, a.tier)
+    r = c.request("migrate", region=a.region, tier=tier, blocks=parse_blocks(a.blocks))
+    text = f"queued {r['queued']} block(s) of region {a.region} for tier {a.tier}"
+    if a.pin:
+        r["pinned"] = c.request("pin", region=a.region, tier=tier, blocks=parse_blocks(a.blocks))["blocks"]
+        text += f"; pinned {r['pinned']}"
+    return r, text
+
+
+def cmd_pin(c: Client, a) -> tuple[Any, str]:
+    tier = None if a.tier is None else resolve_tier(c, a.tier)
+    r = c.request("pin", region=a.region, tier=tier, blocks=parse_blocks(a.blocks))
+    return r, f"pinned {r['blocks']} block(s) of region {a.region}" + (f" to tier {a.tier}" if a.tier else "")
+
+
+def cmd_unpin(c: Client, a) -> tuple[Any, str]:
+    r = c.request("unpin", region=a.region, blocks=parse_blocks(a.blocks))
+    return r, f"unpinned {r['blocks']} block(s) of region {a.region}"
+
+
+def cmd_explain(c: Client, a) -> tuple[Any, str]:
+    r = c.request("explain", region=a.region, block=a.block)
+    return r, r["text"]
+
+
+def cmd_topology(a) -> tuple[Any, str]:
+    from kvtier import topology
+
+    topo = topology.discover(a.sys_root, a.proc_root)
+    return topo.to_dict(), topology.format_table(topo)
+
+
+COMMANDS = {
+    "status": cmd_status, "stats": cmd_stats, "tiers": cmd_tiers, "regions": cmd_regions,
+    "blocks": cmd_blocks, "migrate": cmd_migrate, "pin": cmd_pin, "unpin": cmd_unpin, "explain": cmd_explain,
+}
+
+
+def _common(suppress: bool) -> argparse.ArgumentParser:
+    # The options work before or after the command. Subcommand copies must not
+    # have defaults, or they would overwrite a value given before the command.
+    d = (lambda v: argparse.SUPPRESS) if suppress else (lambda v: v)
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--socket", default=d(None),
+                   help="kvtierd socket (default $KVTIER_SOCKET or /run/kvtierd/kvtierd.sock)")
+    p.add_argument("--json", action="store_true", default=d(False), help="print the answer as JSON")
+    p.add_argument("--timeout", type=float, default=d(10.0), help="seconds to wait for the daemon")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kvtierctl", description="Inspect and steer kvtierd.",
+                                 parents=[_common(False)])
+    common = _common(True)
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    sub.add_parser("status", parents=[common], help="daemon summary")
+    sub.add_parser("stats", parents=[common], help="all counters")
+    sub.add_parser("tiers", parents=[common], help="tiers with capacity and kvtier usage")
+    p = sub.add_parser("regions", parents=[common], help="registered regions")
+    p.add_argument("--pid", type=int)
+    p = sub.add_parser("blocks", parents=[common], help="tier, temperature and flags of each block")
+    p.add_argument("region", type=int)
+    p.add_argument("--first", type=int, default=0)
+    p.add_argument("--count", type=int)
+    p = sub.add_parser("migrate", parents=[common], help="move blocks to a tier now")
+    p.add_argument("region", type=int)
+    p.add_argument("tier", help="tier index or name")
+    p.add_argument("--blocks", help="e.g. 0-15,40 (default: all)")
+    p.add_argument("--pin", action="store_true", help="also pin them there so the policy leaves them")
+    p = sub.add_parser("pin", parents=[common], help="keep blocks in a tier (default: where they are)")
+    p.add_argument("region", type=int)
+    p.add_argument("--tier")
+    p.add_argument("--blocks")
+    p = sub.add_parser("unpin", parents=[common], help="hand blocks back to the policy")
+    p.add_argument("region", type=int)
+    p.add_argument("--blocks")
+    p = sub.add_parser("explain", parents=[common], help="why a block is where it is")
+    p.add_argument("region", type=int)
+    p.add_argument("block", type=int)
+    p = sub.add_parser("topology", parents=[common], help="discover tiers locally (no daemon needed)")
+    p.add_argument("--sys-root", default="/sys")
+    p.add_argument("--proc-root", default="/proc")
+    p = sub.add_parser("top", parents=[common], help="live view")
+    top_mod.add_arguments(p)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    if a.cmd == "top":
+        return top_mod.run(a)
+    try:
+        if a.cmd == "topology":
+            data, text = cmd_topology(a)
+        else:
+            with Client(a.socket, timeout=a.timeout, reconnect_timeout=0, name="kvtierctl") as c:
+                data, text = COMMANDS[a.cmd](c, a)
+    except argparse.ArgumentTypeError as e:
+        ap.error(str(e))
+    except DaemonUnavailable as e:
+        print(f"kvtierctl: {e}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    except KvtierClientError as e:
+        print(f"kvtierctl: {e}", file=sys.stderr)
+        return EXIT_REFUSED
+    except OSError as e:
+        print(f"kvtierctl: {e}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    if a.json:
+        json.dump(_jsonable(data), sys.stdout, indent=2, default=str)
+        sys.stdout.write("\n")
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
