@@ -33,7 +33,8 @@ mount_kernel_fs() {
     ln -sf /proc/self/fd/2 /dev/stderr
     mount -t devpts -o gid=5,mode=620 devpts /dev/pts
     mount -t tmpfs -o mode=1777 tmpfs /dev/shm
-    mount -t tmpfs -o mode=1777 tmpfs /tmp
+    # No fresh tmpfs on /tmp: the overlay already makes it writable, and the
+    # checkout under test may itself live in the host's /tmp (CI clones do).
     mount -t tmpfs -o mode=0755 tmpfs /run
     mount -t debugfs debugfs /sys/kernel/debug 2>/dev/null
     mount -t tracefs tracefs /sys/kernel/tracing 2>/dev/null
