@@ -219,6 +219,7 @@ class _Builder:
         self.tier = snap["tier"]
         self.nb = snap["nbytes"].astype(np.int64)
         self.moved = np.zeros(self.tier.size, dtype=bool)
+        self.dest = np.full(self.tier.size, -1, dtype=np.int64)
         self.parts: list[tuple[np.ndarray, np.ndarray, int]] = []
         known = (self.tier >= 0) & (self.tier < ntiers)
         self.used = np.bincount(self.tier[known], weights=self.nb[known], minlength=ntiers)[:ntiers]
@@ -254,8 +255,13 @@ class _Builder:
         self.used += arrive
         self.inflow += arrive
         self.moved[rows] = True
+        self.dest[rows] = dst
         self.parts.append((rows, dst, reason))
         return rows
+
+    def in_tier(self, t: int) -> np.ndarray:
+        """Rows in tier ``t`` once the moves planned so far are done."""
+        return np.where(self.moved, self.dest == t, self.tier == t)
 
     def budget_rows(self, direction: str, min_nb: int) -> int:
         return int(self.tokens[direction] // max(1, min_nb)) + 1
@@ -381,7 +387,7 @@ def plan(
 
     # 2. tenant DRAM quotas
     if T > 1 and cfg.tenant_dram_quota:
-        in0 = known & (tier == 0)
+        in0 = b.in_tier(0)  # after the constraint moves
         for ten, quota in cfg.tenant_dram_quota.items():
             over = float(b.nb[in0 & (tenant == ten)].sum()) - float(quota)
             if over > 0:
@@ -424,7 +430,7 @@ def plan(
         k = min(b.budget_rows("promote", int(b.nb[cand].min())), cand.size)
         cand = _ordered(cand, key, k, hottest_first=True)
         if t == 0 and cfg.tenant_dram_quota:
-            cand = _within_quota(cand, b, tenant, tier, known, cfg.tenant_dram_quota)
+            cand = _within_quota(cand, b, tenant, cfg.tenant_dram_quota)
         room = max(0.0, high[t] - b.used[t])
         free = tiers[t].free_bytes
         if free is not None:
@@ -461,12 +467,12 @@ def plan(
     )
 
 
-def _within_quota(cand, b: _Builder, tenant, tier, known, quotas: Mapping[int, int]) -> np.ndarray:
+def _within_quota(cand, b: _Builder, tenant, quotas: Mapping[int, int]) -> np.ndarray:
     """Drop candidates that would take their tenant past its DRAM quota."""
     ten = tenant[cand].astype(np.int64)
     q = np.array([quotas.get(int(x), np.inf) for x in np.unique(ten)])
     uniq = np.unique(ten)
-    in0 = known & (tier == 0) & ~b.moved
+    in0 = b.in_tier(0)
     used0 = np.array([float(b.nb[in0 & (tenant == x)].sum()) for x in uniq])
     pos = np.searchsorted(uniq, ten)
     ok = used0[pos] + _group_cumsum(ten, b.nb[cand].astype(np.float64)) <= q[pos]

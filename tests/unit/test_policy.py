@@ -235,6 +235,16 @@ def test_tenant_quota_caps_promotion_and_demotes_excess():
     assert np.all(p2.reason == R_QUOTA) and len(p2) == 3
 
 
+def test_quota_counts_blocks_the_same_plan_brings_in():
+    t = make_table(3, tier=0, temp=10.0, tenants=[1, 1, 1])
+    t.temp[0] = 5.0
+    t.tier[2] = 1
+    t.flags[2] |= F_KEEP_DRAM
+    p, _ = plan(t.snapshot(), tiers(100), cfg(tenant_dram_quota={1: 2 * BS}), PolicyState(), 100.0)
+    got = dict(zip(p.rows.tolist(), p.reason.tolist()))
+    assert got == {2: R_KEEP_DRAM, 0: R_QUOTA}
+
+
 def test_priority_wins_dram_under_contention():
     t = make_table(4, tier=0, temp=50.0)
     t.tier[2:] = 1

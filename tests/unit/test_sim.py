@@ -77,6 +77,21 @@ def test_no_policy_beats_the_offline_optimum(seed):
         assert r.overflow_blocks == 0
 
 
+def test_bound_holds_with_a_small_cxl_tier_in_front_of_swap():
+    # kvtier cascades DRAM -> CXL -> swap; the bound must still hold
+    tr = small_trace()
+    cfg = SimConfig(
+        (
+            SimTier("dram", "dram", 100 * BS, 100.0, 40.0, 4.0, 3.0),
+            SimTier("cxl", "cxl", 300 * BS, 250.0, 20.0, 4.0, 1.5),
+            SimTier("swap", "swap", 4096 * BS, 80_000.0, 3.0, 2.0, 0.08),
+        )
+    )
+    opt = simulate(tr, cfg, Belady()).fast_hit
+    for name, cls in POLICIES.items():
+        assert simulate(tr, cfg, cls()).fast_hit <= opt + 1e-12, name
+
+
 def test_kvtier_in_sim_runs_the_real_policy_and_respects_capacity():
     tr = small_trace()
     cfg = tiers_cfg(120, 4096)
