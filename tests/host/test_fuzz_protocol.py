@@ -30,6 +30,15 @@ import numpy.random  # noqa: F401  (hypothesis seeds it lazily; import before dr
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+import hypothesis.internal.conjecture as _conjecture
+import importlib
+import pkgutil
+
+# The fuzzing child drops root; a CI checkout may sit in a directory only
+# root can read (mktemp -d is 0700), so every module hypothesis imports lazily
+# (optimiser, shrinker, ...) is imported now, while we can still read it.
+for _m in pkgutil.walk_packages(_conjecture.__path__, _conjecture.__name__ + "."):
+    importlib.import_module(_m.name)
 
 from kvtier import protocol as P
 from kvtier.client import Client
