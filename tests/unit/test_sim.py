@@ -226,6 +226,7 @@ def test_cli_gen_run_json_and_plot(tmp_path, capsys):
     assert [r["policy"] for r in doc["results"]] == ["kvtier", "lru", "belady"]
     assert doc["results"][2]["extra"]["of_belady"] == 1.0
     assert (tmp_path / "t.png").stat().st_size > 1000
+    assert (tmp_path / "t-timeline.png").stat().st_size > 1000
     assert cli.main(["run", "--trace", str(out), "--policy", "nope"]) == 2
     rc = cli.main(["run", "--preset", "chat", "--accesses", "5000", "--policy", "kvtier,belady", "--swap"])
     assert rc == 0

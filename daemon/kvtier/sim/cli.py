@@ -114,6 +114,27 @@ def plot(results: list[Result], outdir: Path, label: str) -> list[Path]:
     fig.savefig(p, dpi=100)
     plt.close(fig)
     out.append(p)
+
+    # fast-tier hit ratio over time, over a 10-tick window
+    fig, ax = plt.subplots(figsize=(10, 4))
+    for r in results:
+        if r.timeline is None:
+            continue
+        fast, total = r.timeline
+        w = np.ones(10)
+        num, den = np.convolve(fast, w, "same"), np.convolve(total, w, "same")
+        x = np.arange(fast.size) * (r.sim_s / max(r.ticks, 1))
+        ax.plot(x, np.divide(num, den, out=np.full_like(num, np.nan), where=den > 0), label=r.policy)
+    ax.set_xlabel("simulated seconds")
+    ax.set_ylabel(f"{results[0].tiers[0]} hit ratio (10-tick window)")
+    ax.set_ylim(0, 1.02)
+    ax.legend(ncol=3, fontsize="small")
+    ax.set_title(label)
+    fig.tight_layout()
+    p = outdir / f"{label}-timeline.png"
+    fig.savefig(p, dpi=100)
+    plt.close(fig)
+    out.append(p)
     return out
 
 
@@ -179,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                 "trace": label,
                 "accesses": tr.accesses,
                 "tiers": [asdict(t) for t in cfg.tiers],
-                "results": [asdict(r) for r in results],
+                "results": [{k: v for k, v in asdict(r).items() if k != "timeline"} for r in results],
                 "capacity_cost": cost,
             }
             print(json.dumps(doc, indent=2))

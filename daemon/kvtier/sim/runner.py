@@ -44,6 +44,8 @@ class Result:
     accesses: int
     overflow_blocks: int  # placements that found every tier full
     extra: dict = field(default_factory=dict)
+    # fast-tier reads and all reads per tick (for the timeline plot; not in --json)
+    timeline: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False, compare=False)
 
     @property
     def fast_hit(self) -> float:
@@ -125,6 +127,8 @@ class Engine:
         policy.attach(self)
         served = np.zeros(T)
         moved = np.zeros((T, T), dtype=np.int64)
+        fast_t = np.zeros(self.nticks)
+        all_t = np.zeros(self.nticks)
         mig_ns = np.array([[self.block_bytes / min(a.migrate_gbps, b.migrate_gbps) for b in cfg.tiers] for a in cfg.tiers])
         mem = np.flatnonzero(~self.swap)
         t0 = time.perf_counter()
@@ -154,7 +158,9 @@ class Engine:
                 if (tt < 0).any():
                     bad = int(rows[tt < 0][0])
                     raise InvalidArgument(f"trace: block {bad} accessed while not allocated near t={tr.t[lo]:.3f}s")
-                served += np.bincount(tt, weights=cnt, minlength=T)
+                per = np.bincount(tt, weights=cnt, minlength=T)
+                served += per
+                fast_t[k], all_t[k] = per[0], per.sum()
                 if self.swap.any():
                     self._swap_in(np.unique(rows[self.swap[tt]]), mem, moved)
             policy.observe(rows, cnt, tr.t[lo:hi][m], now)  # also when empty: "nothing touched"
@@ -168,7 +174,9 @@ class Engine:
             if rows.size:
                 self._migrate(policy, np.asarray(rows, np.int64), np.asarray(dst, np.int8), mig_ns, moved, now)
         wall = time.perf_counter() - t0
-        return self._result(policy, served, moved, wall)
+        res = self._result(policy, served, moved, wall)
+        res.timeline = (fast_t, all_t)
+        return res
 
     def _swap_in(self, rows, mem, moved) -> None:
         for i in mem:
