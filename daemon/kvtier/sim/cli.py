@@ -109,11 +109,7 @@ def plot(results: list[Result], outdir: Path, label: str) -> list[Path]:
     for a in ax:
         a.tick_params(axis="x", rotation=30)
     fig.suptitle(label)
-    fig.tight_layout()
-    p = outdir / f"{label}.png"
-    fig.savefig(p, dpi=100)
-    plt.close(fig)
-    out.append(p)
+    out.append(_save(plt, fig, outdir / f"{label}.png"))
 
     # fast-tier hit ratio over time, over a 10-tick window
     fig, ax = plt.subplots(figsize=(10, 4))
@@ -130,12 +126,15 @@ def plot(results: list[Result], outdir: Path, label: str) -> list[Path]:
     ax.set_ylim(0, 1.02)
     ax.legend(ncol=3, fontsize="small")
     ax.set_title(label)
-    fig.tight_layout()
-    p = outdir / f"{label}-timeline.png"
-    fig.savefig(p, dpi=100)
-    plt.close(fig)
-    out.append(p)
+    out.append(_save(plt, fig, outdir / f"{label}-timeline.png"))
     return out
+
+
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def build_parser() -> argparse.ArgumentParser:
