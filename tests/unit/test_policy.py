@@ -360,3 +360,77 @@ def test_reason_names_cover_codes():
 def test_config_validated(kw):
     with pytest.raises(ConfigError):
         PolicyConfig(**kw)
+
+
+# -- invariants over random block states --------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(1, 300),
+    ntiers=st.integers(2, 3),
+    dram=st.integers(1, 200),
+    mbps=st.sampled_from([2.0, 8.0, 64.0, 4096.0]),
+    quota=st.one_of(st.none(), st.integers(0, 100)),
+)
+def test_plan_invariants(seed, n, ntiers, dram, mbps, quota):
+    rng = np.random.default_rng(seed)
+    t = make_table(n)
+    t.tier[:] = rng.choice([TIER_UNKNOWN, TIER_MIXED, 0, 1, ntiers - 1], n, p=[0.05, 0.05, 0.4, 0.3, 0.2])
+    t.temp[:] = rng.exponential(3.0, n).astype(np.float32)
+    t.flags[:] = rng.choice([0, F_UNMOVABLE, F_KEEP_DRAM, F_NEVER_SWAP, F_PREFILL_DONE, F_MANUAL_PIN], n,
+                            p=[0.6, 0.08, 0.08, 0.08, 0.08, 0.08])
+    t.pin_tier[:] = rng.integers(-1, ntiers, n)
+    t.tenant[:] = rng.integers(0, 3, n)
+    t.priority[:] = rng.integers(-1, 2, n)
+    t.retry_at[:] = np.where(rng.random(n) < 0.1, 150.0, -np.inf)
+    t.last_move[:] = np.where(rng.random(n) < 0.1, 99.0, -np.inf)
+    ts = tiers(dram, cxl_blocks=150, swap_blocks=1000 if ntiers == 3 else None)
+    c = cfg(min_residence_s=5.0, promote_mbps=mbps, demote_mbps=mbps,
+            tenant_dram_quota={} if quota is None else {1: quota * BS})
+    snap = t.snapshot()
+    p, st2 = plan(snap, ts, c, PolicyState(), 100.0)
+
+    assert np.unique(p.rows).size == len(p)  # one move per block
+    assert np.all(p.src == snap["tier"][p.rows]) and np.all(p.src != p.dst)
+    assert np.all((p.src >= 0) & (p.dst >= 0) & (p.dst < ntiers))
+    f = snap["flags"][p.rows]
+    assert not np.any(f & F_UNMOVABLE)
+    assert np.all(snap["retry_at"][p.rows] <= 100.0)
+    # pinned blocks only ever go to their pin tier
+    pinned = (f & F_MANUAL_PIN) != 0
+    assert np.all(p.dst[pinned] == snap["pin_tier"][p.rows][pinned])
+    assert np.all(p.reason[pinned] == R_PIN)
+    # KEEP_DRAM never leaves DRAM, NEVER_SWAP never enters swap
+    assert not np.any((f & F_KEEP_DRAM != 0) & ~pinned & (p.dst > p.src) & (p.src == 0))
+    if ntiers == 3:
+        assert not np.any((f & F_NEVER_SWAP != 0) & ~pinned & (p.dst == 2))
+    # the residence time holds for everything the operator did not order
+    free_will = np.isin(p.reason, [R_OVERFLOW, R_COLD, R_EVICT, R_QUOTA, R_PROMOTE])
+    assert np.all(snap["last_move"][p.rows][free_will] <= 95.0)
+    # rate limit: each direction within its bucket (burst = 1 s of rate, >= one block)
+    burst = max(mbps * MIB, BS)
+    assert p.promote_bytes <= burst and p.demote_bytes <= burst
+    assert st2.promote_tokens == pytest.approx(burst - p.promote_bytes)
+    # demotions come before promotions
+    up = p.dst < p.src
+    if up.any() and (~up).any():
+        assert np.flatnonzero(~up).max() < np.flatnonzero(up).min()
+    # promotions (not operator moves) never push a tier past its high watermark
+    after = snap["tier"].copy()
+    after[p.rows] = p.dst
+    before0 = int(snap["nbytes"][snap["tier"] == 0].sum())
+    after0 = int(snap["nbytes"][after == 0].sum())
+    forced = int(p.nbytes[(p.dst == 0) & np.isin(p.reason, [R_PIN, R_KEEP_DRAM])].sum())
+    assert after0 <= max(before0, dram * BS) + forced
+    # a tenant is never promoted into DRAM past its quota
+    if quota is not None:
+        ten = snap["tenant"]
+        prom1 = (p.reason == R_PROMOTE) & (p.dst == 0) & (ten[p.rows] == 1)
+        if prom1.any():
+            forced1 = int(p.nbytes[(p.dst == 0) & (ten[p.rows] == 1) & np.isin(p.reason, [R_PIN, R_KEEP_DRAM])].sum())
+            assert int(snap["nbytes"][(after == 0) & (ten == 1)].sum()) <= quota * BS + forced1
