@@ -245,3 +245,48 @@ def test_access_bits_source_unavailable_without_root_or_files(tmp_path):
     assert f"{tmp_path}/kpageflags absent" in av.reason
     with pytest.raises(ValueError):
         ab.AccessBitSource(mode="young")
+
+
+# -- the source table ------------------------------------------------------------------
+
+
+def test_build_from_config_and_probe_table(tmp_path):
+    from kvtier import sources
+    from kvtier.errors import ConfigError
+
+    srcs = sources.build({"damon": {"aggr_us": 200_000}, "perf": {"enabled": False}},
+                         str(tmp_path), str(tmp_path), dry_run=True)
+    assert [s.name for s in srcs] == ["damon", "access_bit", "perf_fault"]
+    assert srcs[0].params.aggr_us == 200_000 and srcs[0].io.dry_run
+    # Nothing of the kernel's below these roots: every source says why not,
+    # except perf faults, which need only perf_event_open on this machine.
+    table = sources.probe_all(srcs[:2])
+    assert not table["damon"].ok and "CONFIG_DAMON_SYSFS" in table["damon"].reason
+    assert not table["access_bit"].ok and "kpageflags absent" in table["access_bit"].reason
+    with pytest.raises(ConfigError, match=r"hotness.damon: unknown key\(s\) aggr_ms"):
+        sources.build({"damon": {"aggr_ms": 5}})
+    with pytest.raises(ConfigError, match="min_nr_regions"):
+        sources.build({"damon": {"min_nr_regions": 1}})
+    with pytest.raises(ConfigError, match="hotness.perf.enabled"):
+        sources.build({"perf": {"enabled": "yes"}})
+
+
+def test_access_bits_stand_down_where_damon_runs():
+    from kvtier import sources
+    from kvtier.sources.base import Availability
+
+    class Fake(Source):
+        def __init__(self, name, ok):
+            self.name, self.ok, self.probed = name, ok, False
+
+        def probe(self):
+            self.probed = True
+            return Availability(self.ok, "")
+
+        def set_targets(self, table): ...
+        def collect(self, now): ...
+
+    d, a = Fake("damon", True), Fake("access_bit", True)
+    table = sources.probe_all([d, a])
+    assert table["damon"].ok and not table["access_bit"].ok and not a.probed
+    assert "DAMON vaddr runs" in table["access_bit"].reason
