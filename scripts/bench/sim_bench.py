@@ -10,7 +10,7 @@ Two figures:
            hints into the same 524288-block table (target >= 2 million/s),
            and the per-tick decay of all its temperatures.
 
-    .venv/bin/python scripts/bench/sim_bench.py [--accesses 10000000] [--policy kvtier]
+    .venv/bin/python scripts/bench/sim_bench.py [--accesses 10000000] [--policy kvtier|all|a,b]
 """
 
 from __future__ import annotations
@@ -94,15 +94,17 @@ def main() -> int:
     )
     gen_s = time.perf_counter() - t0
     cfg = SimConfig().with_capacities([64, 960])
-    r = simulate(tr, cfg, POLICIES[args.policy]())
     live = np.cumsum(np.where(tr.op == 0, 1, np.where(tr.op == 2, -1, 0))).max()
     print()
     print("| policy | blocks | accesses | records | simulated s | ticks | peak live GiB | generate s | simulate s | dram hit |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    print(
-        f"| {r.policy} | {tr.nblocks} | {tr.accesses} | {len(tr)} | {r.sim_s:.0f} | {r.ticks} | "
-        f"{live * BLOCK / GIB:.0f} | {gen_s:.1f} | {r.wall_s:.1f} | {r.fast_hit:.4f} |"
-    )
+    names = list(POLICIES) if args.policy == "all" else args.policy.split(",")
+    for name in names:
+        r = simulate(tr, cfg, POLICIES[name]())
+        print(
+            f"| {r.policy} | {tr.nblocks} | {tr.accesses} | {len(tr)} | {r.sim_s:.0f} | {r.ticks} | "
+            f"{live * BLOCK / GIB:.0f} | {gen_s:.1f} | {r.wall_s:.1f} | {r.fast_hit:.4f} |"
+        )
     return 0
 
 
