@@ -179,6 +179,21 @@ def test_generated_traces_are_consistent(preset):
     np.testing.assert_array_equal(again.block, tr.block)
 
 
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_pool_pressure_evicts_and_respects_the_quarantine(preset):
+    # a pool far too small for the load: idle conversations (and documents)
+    # get evicted, and no id comes back within a 1 s tick of its free
+    tr = generate(preset, nblocks=1500, max_accesses=60_000)
+    assert np.count_nonzero(tr.op == OP_FREE) > 0
+    simulate(tr, tiers_cfg(200, 2000, tick_s=1.0), LRU())  # raises on reuse within a tick
+    frees = {}
+    for t, b, o in zip(tr.t.tolist(), tr.block.tolist(), tr.op.tolist()):
+        if o == OP_FREE:
+            frees[b] = t
+        elif o == OP_ALLOC and b in frees:
+            assert t - frees[b] >= PRESETS[preset].quarantine_s
+
+
 def test_multi_turn_chats_reuse_their_blocks_and_share_prefixes():
     tr = generate("chat", nblocks=8192, max_accesses=100_000)
     acc = tr.block[tr.op == OP_ACCESS]

@@ -119,10 +119,17 @@ class _Pool:
     def __init__(self, n: int):
         self.free: deque[int] = deque(range(n))
         self.cooling: deque[tuple[float, list[int]]] = deque()
+        self.ncooling = 0
 
     def thaw(self, now: float) -> None:
         while self.cooling and self.cooling[0][0] <= now:
-            self.free.extend(self.cooling.popleft()[1])
+            ids = self.cooling.popleft()[1]
+            self.ncooling -= len(ids)
+            self.free.extend(ids)
+
+    def soon(self) -> int:
+        """Ids free now or once their quarantine ends."""
+        return len(self.free) + self.ncooling
 
     def take(self, k: int) -> list[int] | None:
         if k > len(self.free):
@@ -132,6 +139,7 @@ class _Pool:
     def give(self, ids: list[int], ready_at: float) -> None:
         if ids:
             self.cooling.append((ready_at, list(ids)))
+            self.ncooling += len(ids)
 
 
 def generate(p: GenParams | str, **overrides) -> Trace:
@@ -183,21 +191,22 @@ def generate(p: GenParams | str, **overrides) -> Trace:
 
     def alloc(k: int) -> list[int] | None:
         ids = pool.take(k)
-        while ids is None and idle:
-            _, (_, victim) = idle.popitem(last=False)
-            release(victim)
+        if ids is None:
+            # Out of ids: evict idle conversations (oldest first), then
+            # documents nobody holds, until enough ids are free or cooling.
+            # Evicted ids still sit out their quarantine, so the caller waits
+            # (the request stays queued, the sequence does not grow this step).
+            while pool.soon() + len(frees_now) < k and idle:
+                _, (_, victim) = idle.popitem(last=False)
+                release(victim)
+            while pool.soon() + len(frees_now) < k:
+                unref = next((d for d in doc_ids if doc_refs.get(d, 0) == 0), None)
+                if unref is None:
+                    break
+                frees_now.extend(doc_ids.pop(unref).tolist())
             flush_frees()
-            pool.thaw(now + p.quarantine_s)  # evicted ids still wait their quarantine
-            ids = pool.take(k)
-        while ids is None:
-            unref = [d for d in doc_ids if doc_refs.get(d, 0) == 0]
-            if not unref:
-                return None
-            frees_now.extend(doc_ids.pop(unref[0]).tolist())
-            flush_frees()
-            ids = pool.take(k)
-        if ids:
-            emit(ids, OP_ALLOC, 0.0, now)
+            return None
+        emit(ids, OP_ALLOC, 0.0, now)
         return ids
 
     def flush_frees() -> None:
