@@ -25,19 +25,23 @@ a block whose prefill is done (``F_PREFILL_DONE``) counts only
       evicting anything that is in use. What lands on t+1 may push t+1 over its
       own high watermark; it is handled in t+1's turn (the cascade).
    b. Promotion into t: blocks in slower tiers at least ``promote_temp`` hot
-      and hotter than anything step a just demoted from t, hottest first. They fill the free room below the high watermark; beyond
-      that a candidate may only displace the coldest resident of t if it is
-      hotter by the margin (``temp > coldest*(1+margin_ratio) + margin_abs +
-      margin_sigma*sqrt(temp+coldest)``, see ``exchange_bar``) or has higher
-      priority; the displaced resident goes to t+1. With free room the
-      threshold alone admits a block: nothing has to leave for it.
+      and hotter than anything step a just demoted from t (that room was made
+      for new allocations, not for colder blocks), hottest first. They fill
+      the free room below the high watermark (and within the node's
+      ``free_bytes``); beyond that a candidate may only displace the coldest
+      resident of t if it is hotter by the margin (``temp > coldest *
+      (1+margin_ratio) + margin_abs + margin_sigma*sqrt(temp+coldest)``, see
+      ``exchange_bar``) or has higher priority; the displaced resident goes
+      to t+1. With free room the threshold alone admits a block: nothing has
+      to leave for it. Tier 0 admits a tenant's blocks only within its quota.
    Hottest candidates meet the coldest residents first, so the exchange stops
    at the first pair that fails the margin test.
 
 No ping-pong: ``promote_temp > demote_temp`` (hysteresis), the exchange margin,
 ``min_residence_s`` since a block's last move, and at most one move per block
 per plan. Migration bandwidth is a token bucket per direction (promote/demote)
-held in ``PolicyState``; each plan spends tokens and stops when they run out.
+held in ``PolicyState``; each plan spends tokens and stops when they run out
+(``refund`` gives back what failed).
 Blocks the kernel could not move are skipped until ``retry_at``
 (``record_results`` sets it with exponential backoff) or forever once marked
 ``F_UNMOVABLE``, so failures neither eat the budget every tick nor spin.
