@@ -23,6 +23,7 @@ import signal
 import sys
 import time
 import tomllib
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvtier import config as C
@@ -109,6 +110,10 @@ class Daemon:
         self.stop_event: asyncio.Event | None = None
         self.reload_event: asyncio.Event | None = None
         self._state_timer: asyncio.TimerHandle | None = None
+        self._state_future: asyncio.Future | None = None
+        self._state_again = False
+        self._closing = False
+        self._state_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-state")
 
     # -- composition -----------------------------------------------------
 
@@ -148,23 +153,46 @@ class Daemon:
     # -- state file ------------------------------------------------------
 
     def _state_dirty(self) -> None:
-        # Coalesce a burst of registrations into one fsync'ed write.
-        if not self.cfg.daemon.state_file or self._state_timer is not None:
+        # Coalesce a burst of registrations into one write, after
+        # state_flush_delay; at most one write in flight.
+        if not self.cfg.daemon.state_file or self._state_timer is not None or self._closing:
             return
         loop = asyncio.get_running_loop()
-        self._state_timer = loop.call_later(self.cfg.daemon.state_flush_delay, self.flush_state)
+        self._state_timer = loop.call_later(self.cfg.daemon.state_flush_delay, self._state_write_async)
 
-    def flush_state(self) -> None:
+    def _state_write_async(self) -> None:
+        """Snapshot on the loop thread (a few hundred bytes per region), then
+        write + fsync on the state thread: an fsync takes milliseconds to
+        tens of milliseconds and must not stall every client's requests."""
         self._state_timer = None
-        path = self.cfg.daemon.state_file
-        if not path:
+        if self._closing:
+            return  # shutdown() writes the final state itself
+        if self._state_future is not None:
+            self._state_again = True  # written again when the current write ends
             return
+        doc = (self.cfg.daemon.state_file, self.registry.to_state(), self.registry.next_id)
+        loop = asyncio.get_running_loop()
+        self._state_future = loop.run_in_executor(self._state_executor, self._write_state, *doc)
+        self._state_future.add_done_callback(self._state_written)
+
+    def _state_written(self, fut) -> None:
+        self._state_future = None
+        if self._state_again:
+            self._state_again = False
+            self._state_dirty()
+
+    def _write_state(self, path: str, regions: list[dict], next_id: int) -> None:
         try:
-            state.save(path, self.registry.to_state(), self.registry.next_id)
+            state.save(path, regions, next_id)
             self.stats.state_writes_total += 1
         except KvtierError as e:
             self.stats.state_write_errors_total += 1
             log.error("%s", e)
+
+    def flush_state(self) -> None:
+        """Synchronous write (start-up and shutdown)."""
+        if self.cfg.daemon.state_file:
+            self._write_state(self.cfg.daemon.state_file, self.registry.to_state(), self.registry.next_id)
 
     def adopt(self) -> None:
         path = self.cfg.daemon.state_file
@@ -281,6 +309,7 @@ class Daemon:
         return 0
 
     async def shutdown(self) -> None:
+        self._closing = True
         self.notifier.stopping()
         log.info("stopping")
         await self.server.close()
@@ -291,6 +320,7 @@ class Daemon:
         self.engine.shutdown()
         if self._state_timer is not None:
             self._state_timer.cancel()
+        self._state_executor.shutdown(wait=True)  # an in-flight write finishes first
         self.flush_state()
         self.watcher.close()
         if self.metrics is not None:

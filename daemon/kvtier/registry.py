@@ -21,7 +21,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from kvtier import procfs
+from kvtier import procfs, procmap
 from kvtier.blocks import (
     F_KEEP_DRAM,
     F_MANUAL_PIN,
@@ -189,7 +189,7 @@ class Registry:
         live_start = procfs.read_start_time(pid, self.proc_root)
         if start_time is not None and live_start != start_time:
             raise ProcessGone(errno.ESRCH, f"adopt pid {pid}", "pid was reused by another process")
-        procfs.check_range(procfs.read_maps(pid, self.proc_root), start, length)
+        procmap.check_range(pid, start, length, self.proc_root)
         if pid not in self.by_pid and self.watcher is not None:
             self.watcher.watch(pid, self.drop_pid)
         if region_id is None:

@@ -508,10 +508,60 @@ def test_kvtierctl_against_the_daemon(daemon):
         bad = ctl(daemon, "pin", rid, "--tier", "nvme9")
         assert bad.returncode == 1 and "no tier named 'nvme9'" in bad.stderr
         st = json.loads(ctl(daemon, "--json", "status").stdout)
-        assert st["regions"] == 1 and st["engine"]["tiers"] == ["dram"]
+        assert st["regions"] == 1 and st["engine"]["tiers"][0] == "dram"
         assert json.loads(ctl(daemon, "--json", "tiers").stdout)["tiers"][0]["kvtier_blocks"] == 4
     down = subprocess.run([PY, "-m", "kvtier.ctl", "--socket", daemon.sock + ".none", "status"],
                           capture_output=True, text=True)
     assert down.returncode == 3 and "unavailable" in down.stderr
     topo = subprocess.run([PY, "-m", "kvtier.ctl", "--json", "topology"], capture_output=True, text=True)
     assert json.loads(topo.stdout)["tiers"][0]["kind"] == "dram"
+
+
+def test_procmap_query_agrees_with_maps_text(tmp_path):
+    """The ioctl path and the /proc/PID/maps parser judge every kind of KV
+    memory the same way (anonymous, MAP_SHARED anonymous, memfd, /dev/shm)."""
+    import mmap as _mmap
+
+    from kvtier import procfs, procmap
+    from kvtier.errors import RangeNotMapped
+
+    pid = os.getpid()
+    anon = _mmap.mmap(-1, 1 << 20, flags=_mmap.MAP_PRIVATE | _mmap.MAP_ANONYMOUS)
+    shared = _mmap.mmap(-1, 1 << 20, flags=_mmap.MAP_SHARED | _mmap.MAP_ANONYMOUS)
+    mfd = os.memfd_create("kvtier-test")
+    os.ftruncate(mfd, 1 << 20)
+    memfd = _mmap.mmap(mfd, 1 << 20)
+    shm_path = f"/dev/shm/kvtier-test-{pid}"
+    with open(shm_path, "wb") as f:
+        f.truncate(1 << 20)
+    shm = _mmap.mmap(os.open(shm_path, os.O_RDWR), 1 << 20)
+    plain = tmp_path / "file"
+    plain.write_bytes(b"\0" * (1 << 20))
+    filemap = _mmap.mmap(os.open(plain, os.O_RDWR), 1 << 20)
+    try:
+        import ctypes as _ct
+        from kvtier.client import buffer_address
+
+        maps = procfs.read_maps(pid)
+        fd = os.open(f"/proc/{pid}/maps", os.O_RDONLY)
+        name = _ct.create_string_buffer(procmap.NAME_MAX)
+        try:
+            for m in maps:
+                if m.path == "[vsyscall]":  # not a VMA: PROCMAP_QUERY does not report it
+                    continue
+                assert procmap._vma(fd, m.start, name) == m
+        finally:
+            os.close(fd)
+        for buf in (anon, shared, memfd, shm):
+            addr, n = buffer_address(buf)
+            procmap.check_range(pid, addr, n)
+        addr, n = buffer_address(filemap)
+        with pytest.raises(RangeNotMapped, match="not private anonymous or shared memory"):
+            procmap.check_range(pid, addr, n)
+        with pytest.raises(RangeNotMapped, match="not mapped"):
+            procmap.check_range(pid, 4096, 4096)
+    finally:
+        for b in (anon, shared, memfd, shm, filemap):
+            b.close()
+        os.close(mfd)
+        os.unlink(shm_path)

@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""Protocol benchmark: register round trip and hint ingestion rate of kvtierd.
+
+Starts a real kvtierd (temporary socket and state file, metrics off) pinned
+to one CPU, and drives it from this process pinned to another:
+
+* register round trip: register + unregister of a touched 64 MiB anonymous
+  mapping (2 MiB blocks), one at a time; latency of each call, p50/p99/max.
+  Includes everything the daemon does: SO_PEERCRED, /proc/PID/stat + maps,
+  pidfd_open, BlockTable insert, the (debounced) state write.
+* hint ingestion: pipelined hint messages of BATCH block indices (uint32,
+  uniformly random over a 1M-block region) until TOTAL block hints, then one
+  synchronous call so every hint has been applied to the temperatures.
+  Reported as block-hints/s of wall time and per daemon CPU second (the
+  daemon's utime+stime from /proc, i.e. on one core).
+
+    sudo .venv/bin/python scripts/bench/protocol_bench.py [--json out.json]
+
+Needs root only to read the daemon's /proc/PID/stat when run as another
+user; otherwise any user can run it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from kvtier.client import Client
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        rest = f.read().rsplit(")", 1)[1].split()
+    return (int(rest[11]) + int(rest[12])) / CLK_TCK
+
+
+def machine() -> str:
+    model = "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} CPUs, Linux {platform.release()}, Python {platform.python_version()}"
+
+
+def start_daemon(workdir: str, cpu: int | None) -> subprocess.Popen:
+    sock = os.path.join(workdir, "kvtierd.sock")
+    cfg = os.path.join(workdir, "kvtierd.toml")
+    with open(cfg, "w") as f:
+        f.write(f'[daemon]\nsocket = "{sock}"\nstate_file = "{workdir}/state.json"\n'
+                # No migration work competes with the protocol path in this benchmark.
+                "tick_interval = 3600.0\n"
+                "[limits]\nrequests_per_second = 1e9\nrequest_burst = 1000000000\n"
+                "max_blocks_per_region = 4194304\n[metrics]\nenabled = false\n")
+    cmd = [sys.executable, "-m", "kvtier.daemon", "-c", cfg]
+    if cpu is not None:
+        cmd = ["taskset", "-c", str(cpu)] + cmd
+    p = subprocess.Popen(cmd, stderr=open(os.path.join(workdir, "log"), "w"))
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            Client(sock, reconnect_timeout=0).close()
+            return p
+        except Exception:
+            if p.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"kvtierd did not start: {open(os.path.join(workdir, 'log')).read()}")
+            time.sleep(0.05)
+
+
+def bench_register(c: Client, n: int) -> dict:
+    buf = mmap.mmap(-1, 64 << 20)
+    buf.write(b"\1" * len(buf))
+    reg, unreg = np.empty(n), np.empty(n)
+    for i in range(n):
+        t0 = time.perf_counter()
+        r = c.register(buf, block_size=2 << 20, name="bench")
+        t1 = time.perf_counter()
+        r.unregister()
+        t2 = time.perf_counter()
+        reg[i], unreg[i] = t1 - t0, t2 - t1
+    us = lambda a, q: float(np.percentile(a, q) * 1e6)  # noqa: E731
+    return {"n": n, "register_p50_us": us(reg, 50), "register_p99_us": us(reg, 99),
+            "register_max_us": float(reg.max() * 1e6),
+            "unregister_p50_us": us(unreg, 50), "unregister_p99_us": us(unreg, 99)}
+
+
+def bench_hints(c: Client, daemon_pid: int, batch: int, total: int, nblocks: int = 1 << 20) -> dict:
+    # 1M blocks of 4 KiB over a 4 GiB reservation; untouched pages cost nothing.
+    buf = mmap.mmap(-1, nblocks * 4096)
+    rng = np.random.default_rng(1)
+    with c.register(buf, block_size=4096, name="hints") as r:
+        msgs = [rng.integers(0, nblocks, batch, dtype=np.uint32) for _ in range(16)]
+        c.hint_batch = batch  # each hint() call becomes exactly one message
+        sent = 0
+        cpu0 = cpu_seconds(daemon_pid)
+        t0 = time.perf_counter()
+        i = 0
+        while sent < total:
+            r.hint(msgs[i & 15])
+            sent += batch
+            i += 1
+        errs = c.flush()  # waits for every answer: all hints applied
+        wall = time.perf_counter() - t0
+        cpu = cpu_seconds(daemon_pid) - cpu0
+        assert not errs, errs
+        applied = c.stats()["block_hints_total"]
+    return {"batch": batch, "block_hints": sent, "messages": i, "wall_s": wall, "daemon_cpu_s": cpu,
+            "hints_per_s_wall": sent / wall, "hints_per_daemon_cpu_s": sent / cpu if cpu > 0 else None,
+            "applied_total": applied}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--registers", type=int, default=2000)
+    ap.add_argument("--hints", type=int, default=50_000_000, help="block hints per batch size")
+    ap.add_argument("--batches", default="256,4096,65536")
+    ap.add_argument("--json", help="write results here too")
+    ap.add_argument("--no-pin", action="store_true", help="do not pin daemon and client to separate CPUs")
+    a = ap.parse_args()
+    pin = not a.no_pin and (os.cpu_count() or 1) >= 2
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as wd:
+        d = start_daemon(wd, 0 if pin else None)
+        if pin:
+            os.sched_setaffinity(0, {1})
+        try:
+            c = Client(os.path.join(wd, "kvtierd.sock"), hint_interval=1e9)
+            bench_register(c, 200)  # warm up: imports, allocator, page cache
+            res = {"machine": machine(), "command": " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
+                   "pinned": pin, "register": bench_register(c, a.registers), "hints": []}
+            for b in (int(x) for x in a.batches.split(",")):
+                res["hints"].append(bench_hints(c, d.pid, b, a.hints))
+            c.close()
+        finally:
+            d.terminate()
+            d.wait(20)
+    r = res["register"]
+    print(f"machine: {res['machine']}  (daemon on CPU 0, client on CPU 1: {pin})")
+    print(f"register round trip over {r['n']}: p50 {r['register_p50_us']:.0f} us, "
+          f"p99 {r['register_p99_us']:.0f} us, max {r['register_max_us']:.0f} us; "
+          f"unregister p50 {r['unregister_p50_us']:.0f} us, p99 {r['unregister_p99_us']:.0f} us")
+    print("| batch (blocks/msg) | block hints | wall s | block-hints/s (wall) | daemon CPU s | block-hints per daemon CPU-s |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for h in res["hints"]:
+        print(f"| {h['batch']} | {h['block_hints']:,} | {h['wall_s']:.2f} | {h['hints_per_s_wall'] / 1e6:.1f} M | "
+              f"{h['daemon_cpu_s']:.2f} | {(h['hints_per_daemon_cpu_s'] or 0) / 1e6:.1f} M |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
