@@ -1,0 +1,346 @@
+#!/usr/bin/env python3
+"""The kernel's own tiering, measured on kvtier's guest workload (QEMU guest).
+
+    .venv/bin/python scripts/bench/vm_tiering_compare.py [--seconds 30] [--json FILE]
+
+On the host this boots the guest (scripts/vm/run.py) and runs itself there
+with --in-guest; the guest writes JSON to the share and the host prints a
+markdown table (the rows of docs/benchmarks.md, "Hotness sources").
+
+Workload (the issue's): a 256 MiB pool in 2 MiB blocks, all of it moved to
+the far node 1 at start; a thread keeps reading a 32 MiB hot set (16 blocks,
+one byte per page); half-way through, the hot set moves to 16 other blocks.
+Modes, each with a fresh workload process:
+
+  none          numa_balancing=0, no DAMON: the control, nothing moves.
+  numa_tiering  numa_balancing=2 (NUMA_BALANCING_MEMORY_TIERING) with node 1
+                in a lower memory tier (HMAT), demotion_enabled=true.
+  damos_paddr   two kdamonds with paddr ops, one per node's physical range:
+                node 1 with migrate_hot -> node 0, node 0 with migrate_cold
+                -> node 1 (vaddr DAMOS migrations are accepted but never
+                applied on 6.12). Quota 256 MiB/s per scheme.
+
+Measured every second: the fraction of the current hot set's pages on node 0
+(move_pages query) and pool bytes on node 0; over the run: /proc/vmstat
+migration counters (pgmigrate_success = pages moved by any migration,
+pgpromote_success, numa_*), DAMOS sz_applied per scheme, and CPU seconds of
+the workload process (numa_balancing's hinting faults are charged to it) and
+of the kdamonds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+MiB = 1 << 20
+POOL = 256 * MiB
+BLOCK = 2 * MiB
+HOT_BLOCKS = 16
+PHASES = (0, 64)  # first hot block of each phase
+DRAM, FAR = 0, 1
+NUMA_BALANCING = "/proc/sys/kernel/numa_balancing"
+DEMOTION_ENABLED = "/sys/kernel/mm/numa/demotion_enabled"
+NODE_DIR = "/sys/devices/system/node"
+MEMORY_BLOCK_SIZE = "/sys/devices/system/memory/block_size_bytes"
+VMSTAT_KEYS = (
+    "pgmigrate_success", "pgmigrate_fail", "pgpromote_success", "pgdemote_kswapd", "pgdemote_direct",
+    "numa_hint_faults", "numa_pages_migrated", "numa_pte_updates",
+)
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+# -- guest side --------------------------------------------------------------------
+
+
+def write(path: str, value) -> None:
+    with open(path, "w") as f:
+        f.write(str(value))
+
+
+def read(path: str) -> str:
+    with open(path) as f:
+        return f.read().strip()
+
+
+def vmstat() -> dict[str, int]:
+    out = {}
+    with open("/proc/vmstat") as f:
+        for line in f:
+            k, v = line.split()
+            if k in VMSTAT_KEYS:
+                out[k] = int(v)
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads)."""
+    f = read(f"/proc/{pid}/stat").rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / CLK_TCK
+
+
+def node_ranges(node: int) -> list[tuple[int, int]]:
+    """Physical address ranges of a node's online memory blocks, merged."""
+    bs = int(read(MEMORY_BLOCK_SIZE), 16)
+    idx = sorted(int(n[len("memory"):]) for n in os.listdir(f"{NODE_DIR}/node{node}")
+                 if n.startswith("memory") and n[len("memory"):].isdigit())
+    out: list[list[int]] = []
+    for i in idx:
+        s, e = i * bs, (i + 1) * bs
+        if out and out[-1][1] == s:
+            out[-1][1] = e
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+class DamosPaddr:
+    """Two paddr kdamonds: hot pages of the far node up, cold ones of DRAM down."""
+
+    def __init__(self):
+        from kvtier.sources import damon as dm
+        from kvtier.sysfs_io import SysfsIO
+
+        self.dm = dm
+        self.io = SysfsIO("/sys")
+        self.pids: list[int] = []
+
+    def start(self) -> None:
+        dm, io = self.dm, self.io
+        plans = [
+            (FAR, "migrate_hot", DRAM, (2, dm.UINT_MAX), (0, dm.UINT_MAX)),
+            # Cold: no access seen for 30 aggregation intervals (3 s).
+            (DRAM, "migrate_cold", FAR, (0, 0), (30, dm.UINT_MAX)),
+        ]
+        io.write(dm.NR_KDAMONDS, len(plans))
+        for k, (node, action, dst, acc, age) in enumerate(plans):
+            kd = f"{dm.KDAMONDS}/{k}"
+            ctx = f"{kd}/contexts/0"
+            io.write(f"{kd}/contexts/nr_contexts", 1)
+            io.write(f"{ctx}/operations", "paddr")
+            io.write(f"{ctx}/monitoring_attrs/intervals/sample_us", 5000)
+            io.write(f"{ctx}/monitoring_attrs/intervals/aggr_us", 100000)
+            io.write(f"{ctx}/monitoring_attrs/intervals/update_us", 1000000)
+            io.write(f"{ctx}/monitoring_attrs/nr_regions/min", 10)
+            io.write(f"{ctx}/monitoring_attrs/nr_regions/max", 1000)
+            ranges = node_ranges(node)
+            io.write(f"{ctx}/targets/nr_targets", 1)
+            io.write(f"{ctx}/targets/0/regions/nr_regions", len(ranges))
+            for j, (s, e) in enumerate(ranges):
+                io.write(f"{ctx}/targets/0/regions/{j}/start", s)
+                io.write(f"{ctx}/targets/0/regions/{j}/end", e)
+            sc = f"{ctx}/schemes/0"
+            io.write(f"{ctx}/schemes/nr_schemes", 1)
+            io.write(f"{sc}/action", action)
+            io.write(f"{sc}/target_nid", dst)
+            for name, (lo, hi) in (("sz", (dm.PAGE_SIZE, dm.ULONG_MAX)), ("nr_accesses", acc), ("age", age)):
+                io.write(f"{sc}/access_pattern/{name}/min", lo)
+                io.write(f"{sc}/access_pattern/{name}/max", hi)
+            io.write(f"{sc}/quotas/reset_interval_ms", 1000)
+            io.write(f"{sc}/quotas/bytes", 256 * MiB)
+        for k in range(len(plans)):
+            io.write(f"{dm.KDAMONDS}/{k}/state", "on")
+            self.pids.append(int(io.read(f"{dm.KDAMONDS}/{k}/pid")))
+
+    def cpu(self) -> float:
+        return sum(cpu_seconds(p) for p in self.pids)
+
+    def applied(self) -> dict[str, int]:
+        out = {}
+        for k, name in enumerate(("migrate_hot_bytes", "migrate_cold_bytes")):
+            self.io.write(f"{self.dm.KDAMONDS}/{k}/state", "update_schemes_stats")
+            out[name] = self.io.read_int(f"{self.dm.KDAMONDS}/{k}/contexts/0/schemes/0/stats/sz_applied")
+        return out
+
+    def stop(self) -> None:
+        for k in range(len(self.pids)):
+            self.io.write(f"{self.dm.KDAMONDS}/{k}/state", "off")
+        self.io.write(self.dm.NR_KDAMONDS, 0)
+
+
+def run_mode(mode: str, seconds: float) -> dict:
+    from kvchild import KVChild
+    from kvtier import native
+
+    page = native.PAGE_SIZE
+    write(NUMA_BALANCING, 0)
+    child = KVChild(POOL)
+    damos = None
+    try:
+        addrs = child.addr + np.arange(POOL // page, dtype=np.uint64) * np.uint64(page)
+        t0 = time.monotonic()
+        st = native.move_pages(child.pid, addrs, FAR)
+        setup_s = time.monotonic() - t0
+        on_far = float((st == FAR).mean())
+        hot = {"first": PHASES[0]}
+
+        def hot_addrs(first):
+            lo = first * BLOCK // page
+            return addrs[lo : lo + HOT_BLOCKS * BLOCK // page]
+
+        stop = threading.Event()
+        rounds = [0]
+
+        def touch():
+            while not stop.is_set():
+                child.ask(f"touch {hot['first'] * BLOCK} {HOT_BLOCKS * BLOCK}")
+                rounds[0] += 1
+
+        demotion_old = read(DEMOTION_ENABLED) if os.path.exists(DEMOTION_ENABLED) else None
+        if mode == "numa_tiering":
+            if demotion_old is not None:
+                write(DEMOTION_ENABLED, "true")
+            write(NUMA_BALANCING, 2)
+        elif mode == "damos_paddr":
+            damos = DamosPaddr()
+            damos.start()
+        vm0, cpu0 = vmstat(), cpu_seconds(child.pid)
+        kcpu0 = damos.cpu() if damos else 0.0
+        th = threading.Thread(target=touch, daemon=True)
+        series = []
+        start = time.monotonic()
+        th.start()
+        switched = False
+        while True:
+            now = time.monotonic() - start
+            if now >= seconds:
+                break
+            if not switched and now >= seconds / 2:
+                hot["first"] = PHASES[1]
+                switched = True
+            hs = native.move_pages(child.pid, hot_addrs(hot["first"]), None)
+            ps = native.move_pages(child.pid, addrs, None)
+            series.append({
+                "t": round(now, 2),
+                "phase": int(switched),
+                "hot_on_dram": round(float((hs == DRAM).mean()), 4),
+                "pool_mib_on_dram": round(float((ps == DRAM).sum()) * page / MiB, 1),
+            })
+            time.sleep(max(0.0, 1.0 - (time.monotonic() - start - now)))
+        stop.set()
+        th.join(timeout=60)
+        vm1, cpu1 = vmstat(), cpu_seconds(child.pid)
+        extra = {}
+        if damos:
+            extra = damos.applied()
+            extra["kdamond_cpu_s"] = round(damos.cpu() - kcpu0, 2)
+        if mode == "numa_tiering":
+            write(NUMA_BALANCING, 0)
+            if demotion_old is not None:
+                write(DEMOTION_ENABLED, demotion_old)
+        delta = {k: vm1.get(k, 0) - vm0.get(k, 0) for k in VMSTAT_KEYS}
+        return {
+            "mode": mode,
+            "setup_move_s": round(setup_s, 2),
+            "pool_on_far_at_start": round(on_far, 4),
+            "touch_rounds": rounds[0],
+            "series": series,
+            "vmstat": delta,
+            "migrated_mib": round(delta["pgmigrate_success"] * page / MiB, 1),
+            "workload_cpu_s": round(cpu1 - cpu0, 2),
+            **extra,
+        }
+    finally:
+        if damos:
+            try:
+                damos.stop()
+            except OSError:
+                pass
+        write(NUMA_BALANCING, 0)
+        child.close()
+
+
+def guest_main(args) -> None:
+    out = {"kernel": os.uname().release, "seconds": args.seconds, "pool_mib": POOL // MiB,
+           "hot_mib": HOT_BLOCKS * BLOCK // MiB, "modes": []}
+    for mode in args.modes:
+        out["modes"].append(run_mode(mode, args.seconds))
+        print(f"{mode}: done", flush=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+# -- host side -------------------------------------------------------------------------
+
+
+def time_to(series: list[dict], phase: int, frac: float) -> float | None:
+    """Seconds from the phase start until the hot set is ``frac`` on DRAM."""
+    pts = [p for p in series if p["phase"] == phase]
+    if not pts:
+        return None
+    t0 = pts[0]["t"]
+    for p in pts:
+        if p["hot_on_dram"] >= frac:
+            return round(p["t"] - t0, 1)
+    return None
+
+
+def table(res: dict) -> str:
+    lines = [
+        "| mode | hot set on DRAM at end of phase 1 / 2 | time to 90% (phase 1 / 2) | migrated MiB "
+        "| promote / hint faults | workload CPU s | kdamond CPU s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for m in res["modes"]:
+        s = m["series"]
+        end = [max((p for p in s if p["phase"] == ph), key=lambda p: p["t"], default=None) for ph in (0, 1)]
+        ends = " / ".join("-" if e is None else f"{e['hot_on_dram']:.0%}" for e in end)
+        tt = " / ".join("never" if x is None else f"{x} s" for x in (time_to(s, 0, 0.9), time_to(s, 1, 0.9)))
+        v = m["vmstat"]
+        mig = f"{m['migrated_mib']}"
+        if "migrate_hot_bytes" in m:
+            mig += f" (hot {m['migrate_hot_bytes'] / MiB:.0f} up, cold {m['migrate_cold_bytes'] / MiB:.0f} down)"
+        lines.append(
+            f"| {m['mode']} | {ends} | {tt} | {mig} | {v['pgpromote_success']} / {v['numa_hint_faults']} "
+            f"| {m['workload_cpu_s']} | {m.get('kdamond_cpu_s', '-')} |"
+        )
+    return "\n".join(lines)
+
+
+def host_main(args) -> None:
+    share = Path(tempfile.mkdtemp(prefix="kvtier-tiering-"))
+    cmd = [
+        sys.executable, str(REPO / "scripts/vm/run.py"), "--share", str(share),
+        "--timeout", str(int(120 + len(args.modes) * (args.seconds + 60))), "--",
+        str(REPO / ".venv/bin/python"), str(Path(__file__).resolve()), "--in-guest",
+        "--out", "/mnt/kvtier/tiering.json", "--seconds", str(args.seconds), "--modes", *args.modes,
+    ]
+    r = subprocess.run(cmd)
+    out = share / "tiering.json"
+    if r.returncode != 0 or not out.exists():
+        sys.exit(f"guest run failed (status {r.returncode}); console in {share}")
+    res = json.loads(out.read_text())
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+    print(f"kernel {res['kernel']}, pool {res['pool_mib']} MiB on node 1 at start, hot set {res['hot_mib']} MiB, "
+          f"{res['seconds']} s per mode, hot set moves at half time")
+    print(table(res))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=30.0, help="run length per mode")
+    ap.add_argument("--modes", nargs="+", default=["none", "numa_tiering", "damos_paddr"])
+    ap.add_argument("--json", help="(host) also save the raw results here")
+    ap.add_argument("--in-guest", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.in_guest:
+        guest_main(args)
+    else:
+        host_main(args)
+
+
+if __name__ == "__main__":
+    main()
