@@ -29,6 +29,7 @@ from typing import Any
 from kvtier import config as C
 from kvtier import hotness, logs, state
 from kvtier import metrics as metrics_mod
+from kvtier import sources as sources_mod
 from kvtier import policy as pol
 from kvtier import topology as topo_mod
 from kvtier.blocks import BlockTable
@@ -76,6 +77,18 @@ def policy_config(table: dict, tenant_id) -> pol.PolicyConfig:
         raise ConfigError(f"policy: {e}") from None
 
 
+HOTNESS_KEYS = ("tau_s",)
+
+
+def hotness_sources_table(cfg: C.Config) -> dict:
+    """[hotness] minus our own keys: the per-source sub-tables."""
+    h = cfg.extra.get("hotness", {})
+    for k in h:
+        if k not in HOTNESS_KEYS and k not in sources_mod.SECTIONS:
+            raise ConfigError(f"hotness.{k}: unknown key (known: {', '.join(HOTNESS_KEYS + tuple(sources_mod.SECTIONS))})")
+    return {k: v for k, v in h.items() if k in sources_mod.SECTIONS}
+
+
 def tau_of(cfg: C.Config) -> float:
     tau = cfg.extra.get("hotness", {}).get("tau_s", DEFAULT_TAU_S)
     if isinstance(tau, bool) or not isinstance(tau, (int, float)):
@@ -89,6 +102,7 @@ def check(cfg: C.Config) -> None:
     hotness.Temperature(tau_of(cfg))
     topo_mod.validate_overrides(cfg.extra.get("topology") or None)
     metrics_mod.MetricsConfig.from_table(cfg.extra.get("metrics"))
+    sources_mod.build(hotness_sources_table(cfg), cfg.daemon.sys_root, cfg.daemon.proc_root, dry_run=True)
     from kvtier.server import group_gid
 
     for key in ("daemon.socket_group", "security.admin_group"):
@@ -129,17 +143,25 @@ class Daemon:
         for w in self.topology.warnings:
             log.warning("topology: %s", w)
         self.migrator = Migrator(proc_root=d.proc_root, dry_run=d.dry_run)
+        self.sources = sources_mod.build(hotness_sources_table(cfg), d.sys_root, d.proc_root, dry_run=d.dry_run)
+        self.availability = sources_mod.probe_all(self.sources)
+        for name, a in self.availability.items():
+            if a:
+                log.info("hotness source %s: active (%s)", name, a.reason)
+            else:
+                log.warning("hotness source %s: unavailable: %s", name, a.reason)
         self.engine = Engine(
             self.table, self.registry, self.topology, self.migrator, self.temperature,
             policy_config(cfg.extra.get("policy", {}), self.registry.tenant_id), self.stats,
-            residency_interval=d.residency_interval,
+            residency_interval=d.residency_interval, sources=self.sources, availability=self.availability,
         )
         self.engine.loop = loop
         mcfg = metrics_mod.MetricsConfig.from_table(cfg.extra.get("metrics"))
         self.metrics = None
         if mcfg.enabled:
             self.metrics = metrics_mod.MetricsExporter.from_config(
-                mcfg, self.stats, self.registry, self.table, self.topology, proc_root=d.proc_root)
+                mcfg, self.stats, self.registry, self.table, lambda: self.engine.topology, proc_root=d.proc_root,
+                sources=lambda: [(n, bool(a), a.reason) for n, a in self.availability.items()])
         lim = cfg.limits
         self.api = ControlAPI(self.registry, self.engine, self.stats, lim.max_message_bytes, VERSION)
         self.server = Server(

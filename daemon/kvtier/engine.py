@@ -53,6 +53,7 @@ class Job:
     move: np.ndarray  # bool: this block is in the plan
     src: np.ndarray  # int8 tier now (plan rows only meaningful)
     dst: np.ndarray  # int8 tier wanted
+    sources: list = field(default_factory=list)  # hotness sources to collect from
     plan: pol.Plan | None = None
     plan_pos: np.ndarray | None = None  # position of each job block in plan.rows (-1 = none)
     started: float = 0.0
@@ -62,6 +63,7 @@ class Job:
     ok: np.ndarray | None = None
     unmovable: np.ndarray | None = None
     failures: collections.Counter = field(default_factory=collections.Counter)
+    observations: list = field(default_factory=list)  # sources.Observation, rows as at snapshot
     seconds: float = 0.0
 
 
@@ -77,6 +79,8 @@ class Engine:
         stats: DaemonStats,
         *,
         residency_interval: float = 10.0,
+        sources: list | None = None,
+        availability: dict | None = None,
         clock=time.monotonic,
     ):
         self.table = table
@@ -96,6 +100,12 @@ class Engine:
         self.last_full_measure = -np.inf
         self.manual: list[tuple[np.ndarray, np.ndarray, int]] = []  # (region ids, indices, tier)
         self.loop: asyncio.AbstractEventLoop | None = None
+        # Hotness sources that probed available; their set_targets runs on
+        # this thread between jobs, their collect on the worker inside a job,
+        # so a source is never used by two threads at once.
+        self.availability = dict(availability or {})
+        self.sources = [s for s in (sources or []) if self.availability.get(s.name)]
+        self._targets_gen = -1
 
     # -- tiers -----------------------------------------------------------
 
@@ -164,6 +174,7 @@ class Engine:
             "last_tick_age_s": now - self.last_tick if self.last_tick else None,
             "job_running": self.future is not None and not self.future.done(),
             "manual_moves_pending": sum(int(r.size) for r, _, _ in self.manual),
+            "sources": {name: {"active": bool(a), "reason": a.reason} for name, a in self.availability.items()},
             "warnings": list(getattr(self.topology, "warnings", [])),
         }
 
@@ -233,12 +244,21 @@ class Engine:
         self.manual.clear()
         # A block already where it should be is not moved (manual no-ops).
         move &= dst != src
-        if not (move.any() or measure.any()):
+        if self.sources and self._targets_gen != self.registry.generation:
+            # Rows shifted since the sources last saw the table: re-target them
+            # now, so their next observations index this snapshot's rows.
+            for src_ in self.sources:
+                try:
+                    src_.set_targets(t)
+                except (KvtierError, OSError) as e:
+                    log.warning("hotness source %s: set_targets failed: %s", src_.name, e)
+            self._targets_gen = self.registry.generation
+        if not (move.any() or measure.any() or self.sources):
             return None
         return Job(
             region=snap["region"], index=snap["index"], pid=snap["pid"], addr=snap["addr"],
             nbytes=snap["nbytes"], measure=measure, move=move, src=src, dst=dst,
-            plan=plan if len(plan) else None, plan_pos=plan_pos, started=now,
+            plan=plan if len(plan) else None, plan_pos=plan_pos, started=now, sources=list(self.sources),
         )
 
     # -- worker thread ---------------------------------------------------
@@ -253,6 +273,11 @@ class Engine:
             self._act(job)
         if job.measure.any():
             self._measure(job)
+        for src in job.sources:
+            try:
+                job.observations.append(src.collect(job.started))
+            except (KvtierError, OSError) as e:
+                log.warning("hotness source %s: collect failed: %s", src.name, e)
         job.seconds = time.monotonic() - t0
         return job
 
@@ -359,6 +384,11 @@ class Engine:
             has = job.plan_pos >= 0
             ok_plan[job.plan_pos[has]] = job.ok[has] & live[has]
             self.pstate = pol.refund(self.pstate, job.plan, ok_plan, self.policy_cfg)
+        for obs in job.observations:
+            if len(obs):
+                r = rows[obs.rows]
+                ok = r >= 0
+                self.temperature.add(self.table, r[ok], obs.counts[ok], now, obs.weight)
         if job.measured_tier is not None:
             ms = np.flatnonzero(job.measure & live)
             r = rows[ms]
@@ -378,3 +408,8 @@ class Engine:
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)
+        for src in self.sources:
+            try:
+                src.close()
+            except (KvtierError, OSError) as e:
+                log.warning("hotness source %s: close failed: %s", src.name, e)

@@ -121,6 +121,7 @@ class Registry:
         self.pid_start: dict[int, int] = {}
         self.tenants: dict[str, int] = {"": 0}
         self.next_id = 1
+        self.generation = 0  # bumped whenever table rows shift (region added/removed)
 
     # -- registration ----------------------------------------------------
 
@@ -213,6 +214,7 @@ class Registry:
         self.by_pid.setdefault(pid, set()).add(region_id)
         self.pid_start[pid] = live_start
         self.stats.regions_registered_total += 1
+        self.generation += 1
         self._gauges()
         self.on_change()
         return reg
@@ -235,6 +237,7 @@ class Registry:
             if self.watcher is not None:
                 self.watcher.unwatch(reg.pid)
         self.stats.regions_unregistered_total += 1
+        self.generation += 1
         self._gauges()
         self.on_change()
         return reg
