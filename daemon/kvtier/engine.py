@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from kvtier import policy as pol
-from kvtier.blocks import F_NOT_PRESENT, TIER_UNKNOWN, BlockTable
+from kvtier.blocks import F_KEEP_DRAM, F_NEVER_SWAP, F_NOT_PRESENT, TIER_UNKNOWN, BlockTable
 from kvtier.errors import InvalidArgument, KvtierError
 from kvtier.hotness import Temperature
 from kvtier.registry import Registry
@@ -159,6 +159,13 @@ class Engine:
         """kvtierctl migrate: moved with the next job, outside the policy's
         budget (the operator asked for it)."""
         self.check_tier(tier)
+        # The region's own constraints win over an operator's one-off move
+        # (unregister and register again to change them).
+        flags = np.bitwise_or.reduce(self.table.flags[rows]) if rows.size else 0
+        if flags & F_NEVER_SWAP and self._is_swap(tier):
+            raise InvalidArgument("blocks of a never_swap region cannot be moved to swap")
+        if flags & F_KEEP_DRAM and tier != 0:
+            raise InvalidArgument("blocks of a keep_dram region cannot leave tier 0")
         self.manual.append((self.table.region[rows].copy(), self.table.index[rows].copy(), tier))
         return int(rows.size)
 
