@@ -2,7 +2,7 @@
 """Migration throughput in the QEMU guest: kvtier's Migrator.move() against a
 plain C program calling move_pages(2) on the same pages (move_pages_bench.c).
 
-    .venv/bin/python scripts/bench/vm_migrate.py [--mib 64] [--rounds 5]
+    .venv/bin/python scripts/bench/vm_migrate.py [--mib 64] [--rounds 9] [--wall]
 
 On the host this compiles move_pages_bench.c (gcc -lnuma), boots one guest
 (scripts/vm/run.py) and re-runs itself there with --in-guest; the guest
@@ -12,6 +12,12 @@ CPU-less) in alternation, for 4 KiB pages and for THP-backed memory
 (MADV_HUGEPAGE). Each timed move really migrates every page; placement is
 checked after each and the pool's checksum at the end. Reported: median
 seconds per move and kvtier's throughput as a fraction of C's (target >= 0.9).
+
+Clock: by default the guest runs with QEMU's -icount (deterministic virtual
+time, 1 ns per guest instruction), so a "second" is a count of instructions
+executed and the figures do not move with the host's load: on the shared
+2-core machine wall-clock TCG timings of the same move vary by 2-4x between
+runs. --wall uses real time (multi-threaded TCG) instead.
 
 Node 1 rather than the CXL node: moving to the emulated CXL device runs at
 ~1 MiB/s under TCG, which would measure QEMU's device model, not the movers.
@@ -191,9 +197,10 @@ def host_main(a) -> int:
     share = Path(a.share or tempfile.mkdtemp(prefix="kvtier-bench-"))
     share.mkdir(parents=True, exist_ok=True)
     subprocess.run([gcc, "-O2", "-Wall", "-o", str(share / "move_pages_bench"), str(C_SOURCE), "-lnuma"], check=True)
+    clock = [] if a.wall else ["--icount", "0"]
     cmd = [
-        sys.executable, str(REPO / "scripts" / "vm" / "run.py"), "--share", str(share), "--timeout", str(a.timeout),
-        "--cwd", str(REPO), "--",
+        sys.executable, str(REPO / "scripts" / "vm" / "run.py"), *clock, "--share", str(share),
+        "--timeout", str(a.timeout), "--cwd", str(REPO), "--",
         sys.executable, str(Path(__file__).resolve()), "--in-guest", "--mib", str(a.mib), "--rounds", str(a.rounds),
         "--bin", f"{GUEST_SHARE}/move_pages_bench", "--json", f"{GUEST_SHARE}/vm_migrate.json",
     ]
@@ -202,6 +209,9 @@ def host_main(a) -> int:
         print(f"vm_migrate: guest run failed ({rc}); console in {share}/console.log", file=sys.stderr)
         return rc
     res = json.loads((share / "vm_migrate.json").read_text())
+    res["clock"] = "wall clock, MTTCG" if a.wall else "icount shift=0 (1 ns per guest instruction)"
+    (share / "vm_migrate.json").write_text(json.dumps(res, indent=1))
+    print(f"# clock: {res['clock']}")
     print(f"# guest kernel {res['kernel']}, {res['cpus']} vCPUs (TCG), numa_balancing={res['numa_balancing']}, "
           f"Python {res['python']}; node 0 <-> node 1; medians over rounds")
     print(table(res))
@@ -215,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=9, help="timed rounds (each: there and back per mover)")
     ap.add_argument("--timeout", type=int, default=900, help="guest timeout, seconds")
     ap.add_argument("--share", help="host directory for the binary and results (default: temp)")
+    ap.add_argument("--wall", action="store_true", help="time in real time instead of icount virtual time")
     ap.add_argument("--in-guest", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--bin", help=argparse.SUPPRESS)
     ap.add_argument("--json", help=argparse.SUPPRESS)

@@ -202,6 +202,7 @@ def boot(
     echo: bool = False,
     systemd: bool = False,
     out=None,
+    icount: int | None = None,
 ) -> GuestResult:
     """Boot the guest, run ``cmd``, return how it went. Never raises for guest failures.
 
@@ -228,8 +229,15 @@ def boot(
         disk = Path(tmp) / "swap.img"
         with open(disk, "wb") as f:
             f.truncate(SWAP_MIB << 20)  # sparse: costs nothing until the guest swaps
+        if icount is None:
+            accel = ["-accel", "tcg,thread=multi"]
+        else:
+            # Deterministic virtual time: the guest clock advances 2**icount ns
+            # per instruction, so timings inside the guest measure work done,
+            # not how busy the host is. Needs single-threaded TCG.
+            accel = ["-accel", "tcg,thread=single", "-icount", f"shift={icount},sleep=off"]
         argv = [
-            qemu, "-accel", "tcg,thread=multi",
+            qemu, *accel,
             *topology_args(),
             "-drive", f"file={disk},if=none,id=nvm0,format=raw,cache=unsafe",
             "-device", "nvme,serial=kvtier-swap0,drive=nvm0,bus=pcie.0",
@@ -323,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--env", action="append", default=[], metavar="K=V", help="extra guest environment")
     ap.add_argument("-v", "--verbose", action="store_true", help="echo the guest console to stderr")
     ap.add_argument("--systemd", action="store_true", help="boot systemd as PID 1 (not implemented yet)")
+    ap.add_argument("--icount", type=int, metavar="SHIFT",
+                    help="deterministic guest clock, 2**SHIFT ns per instruction (benchmarks on a busy host)")
     ap.add_argument("cmd", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
@@ -330,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("no command given")
     share = a.share or Path(tempfile.mkdtemp(prefix="kvtier-share-"))
     env = dict(kv.split("=", 1) for kv in a.env)
-    res = boot(cmd, share.resolve(), a.timeout, a.log, a.cwd, env, a.verbose, a.systemd, sys.stdout)
+    res = boot(cmd, share.resolve(), a.timeout, a.log, a.cwd, env, a.verbose, a.systemd, sys.stdout, a.icount)
     (share / "result.json").write_text(json.dumps({k: v for k, v in asdict(res).items() if k != "tail"}, indent=1))
     timing = ""
     if res.boot_seconds is not None:
