@@ -215,20 +215,22 @@ def boot(
         img = GuestImage.find()
     except Unavailable as e:
         return GuestResult("unavailable", 125, console_log=str(log), reason=str(e))
-    if systemd:
-        # The systemd-as-PID-1 mode (vmsystemd tests) will swap the initramfs
-        # /init for the host's systemd over the same overlay; not built yet.
-        return GuestResult("unavailable", 125, console_log=str(log), reason="--systemd mode is not implemented yet")
 
     share.mkdir(parents=True, exist_ok=True)
     for stale in ("exit_status", "result.json"):
         (share / stale).unlink(missing_ok=True)
+    if systemd:
+        # systemd as PID 1 (vmsystemd tests): scripts/vm/systemd/sdguest.py.
+        sys.path.insert(0, str(HERE / "systemd"))
+        import sdguest
+        cmd = sdguest.wrap(cmd)
     write_run_sh(share, img, cmd, cwd or os.getcwd(), env or {})
 
     with tempfile.TemporaryDirectory(prefix="kvtier-vm-") as tmp:
         disk = Path(tmp) / "swap.img"
         with open(disk, "wb") as f:
             f.truncate(SWAP_MIB << 20)  # sparse: costs nothing until the guest swaps
+        initrd = sdguest.initrd(img.initrd, Path(tmp)) if systemd else img.initrd
         if icount is None:
             accel = ["-accel", "tcg,thread=multi"]
         else:
@@ -248,13 +250,14 @@ def boot(
             "-fsdev", f"local,id=fsshare,path={share},security_model=none,multidevs=remap",
             "-device", f"virtio-9p-pci,fsdev=fsshare,mount_tag={SHARE_TAG},bus=pcie.0",
             "-kernel", str(img.kernel),
-            "-initrd", str(img.initrd),
+            "-initrd", str(initrd),
             "-append", " ".join([
                 "console=ttyS0", "panic=-1", "oops=panic",
                 # CXL memory onlined by dax kmem must be movable so it can be
                 # emptied again and so it never hosts kernel allocations.
                 "memhp_default_state=online_movable",
                 "loglevel=4", "no_timer_check", "tsc=reliable",
+                *(sdguest.kernel_args() if systemd else []),
             ]),
             "-nodefaults", "-display", "none", "-serial", "stdio", "-monitor", "none",
             "-no-reboot",
@@ -330,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cwd", help="directory the command runs in (default: the current one)")
     ap.add_argument("--env", action="append", default=[], metavar="K=V", help="extra guest environment")
     ap.add_argument("-v", "--verbose", action="store_true", help="echo the guest console to stderr")
-    ap.add_argument("--systemd", action="store_true", help="boot systemd as PID 1 (not implemented yet)")
+    ap.add_argument("--systemd", action="store_true", help="boot systemd as PID 1 (scripts/vm/systemd)")
     ap.add_argument("--icount", type=int, metavar="SHIFT",
                     help="deterministic guest clock, 2**SHIFT ns per instruction (benchmarks on a busy host)")
     ap.add_argument("cmd", nargs=argparse.REMAINDER)
