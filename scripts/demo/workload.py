@@ -1,0 +1,306 @@
+#!/usr/bin/env python3
+"""A synthetic LLM inference server's KV cache, for the kvtier demo.
+
+The process owns a KV pool (default 256 MiB in 2 MiB blocks), registers it
+with kvtierd through kvtier.client and serves a stream of sessions:
+
+* sessions arrive at random (Poisson) and each brings a prompt that is
+  prefilled into fresh blocks taken from the free list;
+* every decode step reads the KV blocks of every active session: the
+  shared prefix blocks (a system prompt every session attends to), the
+  session's newest blocks always, and older ones with a probability that
+  halves every ``--halflife`` blocks of age (recency bias, as in
+  attention-sink/sliding-window serving); a step appends a token, and every
+  ``--tokens-per-block`` tokens the session takes a new block;
+* a finished session returns its blocks (``phase("free")``: the daemon
+  may demote them first).
+
+Reads really touch the memory (one byte per page of each block read), so a
+block in swap is faulted back and a block on a slow node is read there.
+Every block read is also sent to the daemon as a hint, batched by the
+client library.
+
+Once a second the workload asks the daemon where each block is
+(``region.query()``) and records, from its own ground truth of which
+blocks it read, how many block reads found their block in each tier: the
+hot-set residency the demo plots. One JSON line per second goes to
+``--timeline``; a one-line status goes to stdout.
+
+``--start-node N`` first-touches the pool on NUMA node N (MPOL_PREFERRED),
+i.e. the pool starts in a capacity tier and kvtier must bring the hot set
+up into DRAM; without it the pool starts wherever the kernel puts it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvtier import native
+from kvtier.client import Client
+
+MIB = 1 << 20
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass
+class Session:
+    sid: int
+    blocks: list[int]
+    tokens: int  # tokens in the last block
+    steps_left: int
+    reads: int = 0
+
+
+@dataclass
+class Pool:
+    """The KV pool: an anonymous mapping cut into blocks, and its free list."""
+
+    size: int
+    block: int
+    prefix: int  # blocks 0..prefix-1 hold the shared prefix
+    buf: mmap.mmap = field(init=False)
+    arr: np.ndarray = field(init=False)
+    free: list[int] = field(init=False)
+
+    def __post_init__(self):
+        self.buf = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        # 2 MiB blocks would each become one THP; kvtier moves base pages
+        # here so that per-block placement is exact (the kernel splits THPs
+        # on partial moves anyway).
+        self.buf.madvise(mmap.MADV_NOHUGEPAGE)
+        self.arr = np.frombuffer(self.buf, dtype=np.uint8)
+        self.free = list(range(self.prefix, self.nblocks))
+
+    @property
+    def nblocks(self) -> int:
+        return self.size // self.block
+
+    @property
+    def addr(self) -> int:
+        return self.arr.ctypes.data
+
+    def prefer(self, node: int) -> None:
+        # Preferred, not bound: a page faulted back in from swap may land
+        # anywhere, and kvtier (not the VMA policy) decides where it stays.
+        # Not interleaved: blocks must start whole on one node, or every
+        # block would straddle tiers.
+        native.mbind(self.addr, self.size, native.MPOL_PREFERRED, [node])
+
+    def fill(self) -> None:
+        # Touch every page so the whole pool is resident from the start
+        # (a real engine preallocates and zeroes its KV pool).
+        self.arr[::PAGE] = 1
+
+    def pages(self, blocks: np.ndarray) -> np.ndarray:
+        """Byte offsets of one byte per page of the given blocks."""
+        per = self.block // PAGE
+        return (blocks[:, None] * self.block + np.arange(per) * PAGE).ravel()
+
+    def read(self, blocks: np.ndarray) -> int:
+        return int(self.arr[self.pages(blocks)].sum())
+
+    def write(self, blocks: np.ndarray, value: int) -> None:
+        self.arr[self.pages(blocks)] = value
+
+
+class Workload:
+    def __init__(self, args: argparse.Namespace, client: Client):
+        self.a = args
+        self.rng = np.random.default_rng(args.seed)
+        self.pool = Pool(args.pool_mib * MIB, args.block_mib * MIB, args.prefix_blocks)
+        if args.start_node is not None:
+            self.pool.prefer(args.start_node)
+        self.pool.fill()
+        self.client = client
+        self.region = client.register(addr=self.pool.addr, length=self.pool.size, block_size=self.pool.block,
+                                      name="kv-pool", tenant="demo")
+        self.sessions: list[Session] = []
+        self.next_sid = 1
+        self.finished = 0
+        self.rejected = 0
+        self.interval_reads = np.zeros(self.pool.nblocks, dtype=np.int64)
+
+    # -- session lifecycle ---------------------------------------------------
+
+    def arrive(self) -> None:
+        a = self.a
+        prompt = int(self.rng.integers(a.prompt_blocks[0], a.prompt_blocks[1] + 1))
+        if len(self.pool.free) < prompt + 2 or len(self.sessions) >= a.max_sessions:
+            self.rejected += 1
+            return
+        blocks = [self.pool.free.pop(0) for _ in range(prompt)]
+        self.pool.write(np.array(blocks), self.next_sid & 0xFF)  # prefill writes the prompt's KV
+        steps = int(self.rng.integers(a.decode_steps[0], a.decode_steps[1] + 1))
+        self.sessions.append(Session(self.next_sid, blocks, 0, steps))
+        self.region.phase("active", blocks)
+        self.next_sid += 1
+
+    def finish(self, s: Session) -> None:
+        self.sessions.remove(s)
+        self.region.phase("free", s.blocks)
+        # Freed blocks go to the back: the most recently freed are reused last,
+        # like a FIFO block allocator (vLLM's free block queue).
+        self.pool.free.extend(s.blocks)
+        self.finished += 1
+
+    # -- one decode step ------------------------------------------------------
+
+    def step(self) -> None:
+        a = self.a
+        reads: list[np.ndarray] = []
+        prefix = np.arange(a.prefix_blocks)
+        for s in list(self.sessions):
+            own = np.asarray(s.blocks)
+            age = np.arange(len(own))[::-1]  # 0 = newest
+            p = np.where(age < a.window, 1.0, 0.5 ** ((age - a.window + 1) / a.halflife))
+            picked = own[self.rng.random(len(own)) < p]
+            reads.append(prefix)
+            reads.append(picked)
+            s.tokens += 1
+            s.steps_left -= 1
+            if s.tokens >= a.tokens_per_block:
+                s.tokens = 0
+                if self.pool.free:
+                    nb = self.pool.free.pop(0)
+                    self.pool.write(np.array([nb]), s.sid & 0xFF)
+                    s.blocks.append(nb)
+                    self.region.phase("active", [nb])
+            if s.steps_left <= 0:
+                self.finish(s)
+        if not reads:
+            return
+        blocks = np.concatenate(reads)
+        self.pool.read(np.unique(blocks))
+        uniq, counts = np.unique(blocks, return_counts=True)
+        self.region.hint(uniq, counts)
+        np.add.at(self.interval_reads, uniq, counts)
+
+    # -- the run ----------------------------------------------------------------
+
+    def run(self, timeline, stop) -> dict:
+        a = self.a
+        t0 = time.time()
+        next_sample = t0 + 1.0
+        next_step = t0
+        tiers = self.client.request("tiers")["tiers"]
+        names = [t["name"] for t in tiers]
+        where = self.region.query()
+        while not stop["now"]:
+            now = time.time()
+            if now - t0 >= a.duration:
+                break
+            # Poisson arrivals at a.arrival_rate per second, checked per step.
+            if self.rng.random() < a.arrival_rate / a.step_rate or not self.sessions:
+                self.arrive()
+            self.step()
+            if now >= next_sample:
+                where = self.sample(now - t0, where, names, timeline)
+                next_sample = max(next_sample + 1.0, time.time() + 0.5)  # no catch-up bursts
+            next_step += 1.0 / a.step_rate
+            delay = next_step - time.time()
+            if delay > 0:
+                time.sleep(delay)
+            else:
+                next_step = time.time()  # running behind (TCG): do not burst
+        self.client.flush()
+        return {"elapsed_s": time.time() - t0, "sessions_started": self.next_sid - 1,
+                "sessions_finished": self.finished, "sessions_rejected": self.rejected}
+
+    def sample(self, t: float, where: np.ndarray, names: list[str], timeline) -> np.ndarray:
+        """Record the last second against the placement known during it, then
+        ask the daemon for the current placement."""
+        reads = self.interval_reads
+        self.interval_reads = np.zeros_like(reads)
+        self.client.flush()
+        by_tier: dict[str, int] = {}
+        for tier in np.unique(where):
+            by_tier[_tier_name(names, int(tier))] = int(reads[where == tier].sum())
+        total = int(reads.sum())
+        hot = reads > 0
+        hot_bytes = int(hot.sum()) * self.pool.block
+        hot_dram = int((hot & (where == 0)).sum()) * self.pool.block
+        tiers = self.client.request("tiers")["tiers"]
+        stats = self.client.stats()
+        rec = {
+            "t": round(t, 2),
+            "sessions": len(self.sessions),
+            "reads": total,
+            "reads_by_tier": by_tier,
+            "residency": (by_tier.get(names[0], 0) / total) if total else None,
+            "hot_bytes": hot_bytes,
+            "hot_bytes_dram": hot_dram,
+            "tier_bytes": {t["name"]: t["kvtier_bytes"] for t in tiers},
+            "tier_capacity": {t["name"]: t["capacity"] for t in tiers},
+            "migrated_bytes": stats.get("migrated_bytes", {}),
+            "migration_failures": stats.get("migration_failures", {}),
+        }
+        timeline.write(json.dumps(rec) + "\n")
+        timeline.flush()
+        moved = sum(rec["migrated_bytes"].values())
+        occ = "  ".join(f"{n} {rec['tier_bytes'].get(n, 0) / MIB:.0f}" for n in names)
+        res = "  -" if rec["residency"] is None else f"{100 * rec['residency']:3.0f}%"
+        print(f"[{t:5.0f}s] sessions {len(self.sessions):2d}  hot set {hot_bytes / MIB:4.0f} MiB, "
+              f"reads from {names[0]} {res}  | MiB: {occ}  | moved {moved / MIB:.0f} MiB", flush=True)
+        return self.region.query()
+
+
+def _tier_name(names: list[str], t: int) -> str:
+    if 0 <= t < len(names):
+        return names[t]
+    return {-1: "unknown", -2: "mixed"}.get(t, str(t))
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition("-")
+    return int(lo), int(hi or lo)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--socket", help="kvtierd socket (default $KVTIER_SOCKET)")
+    ap.add_argument("--timeline", required=True, help="JSON lines, one per second")
+    ap.add_argument("--summary", help="JSON summary at the end")
+    ap.add_argument("--duration", type=float, default=120.0, help="seconds of serving")
+    ap.add_argument("--pool-mib", type=int, default=256)
+    ap.add_argument("--block-mib", type=int, default=2)
+    ap.add_argument("--prefix-blocks", type=int, default=4, help="shared prefix blocks every session reads")
+    ap.add_argument("--prompt-blocks", type=_range, default=(2, 6), help="blocks per prompt, LO-HI")
+    ap.add_argument("--decode-steps", type=_range, default=(60, 240), help="decode steps per session, LO-HI")
+    ap.add_argument("--tokens-per-block", type=int, default=16)
+    ap.add_argument("--window", type=int, default=2, help="newest blocks every step reads")
+    ap.add_argument("--halflife", type=float, default=2.0, help="blocks of age that halve the read probability")
+    ap.add_argument("--max-sessions", type=int, default=6)
+    ap.add_argument("--arrival-rate", type=float, default=1.0, help="sessions per second")
+    ap.add_argument("--step-rate", type=float, default=10.0, help="decode steps per second")
+    ap.add_argument("--start-node", type=int, help="first-touch the pool on this NUMA node")
+    ap.add_argument("--seed", type=int, default=1)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    with Client(args.socket, name="kvtier demo workload") as client, open(args.timeline, "w") as timeline:
+        w = Workload(args, client)
+        summary = w.run(timeline, stop)
+        summary.update(pool_bytes=w.pool.size, block_bytes=w.pool.block, region=w.region.id)
+        w.region.unregister()
+    if args.summary:
+        with open(args.summary, "w") as f:
+            json.dump(summary, f, indent=1)
+    print(f"workload: {summary['sessions_started']} sessions in {summary['elapsed_s']:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""The real kvtierd's /metrics while it actually migrates (root, this kernel).
+
+kvtierd runs as a subprocess with a swap file enabled, so on this one-node
+host it has two tiers: dram and swap. A KV pool owned by another process
+(tests/kvchild.py) is registered through the client library; the DRAM
+budget is capped at 8 MiB so the policy itself must page the cold blocks
+out and, once the hints change, page the newly hot ones back in. Every
+check scrapes the real HTTP endpoint with urllib and parses it with
+prometheus_client's parser. Waits poll with a generous deadline; nothing
+asserts on elapsed time.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from argparse import Namespace
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvchild import KVChild
+from kvtier import top
+from kvtier.client import Client, KvtierClientError
+
+pytestmark = pytest.mark.root
+
+MIB = 1 << 20
+BLOCK = 2 * MIB
+POOL = 32 * MIB  # 16 blocks
+DRAM_BUDGET = 8 * MIB  # low watermark 0.85 -> 3 blocks stay in DRAM
+DEADLINE = 60.0
+
+
+def wait_for(pred, what: str, timeout: float = DEADLINE):
+    end = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+class Scrape:
+    """One parsed scrape: value(name, **labels), sum over unlisted labels."""
+
+    def __init__(self, text: str):
+        self.text = text
+        self.samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+
+    def value(self, metric: str, /, **labels: str) -> float | None:
+        hits = [s.value for s in self.samples
+                if s.name == metric and all(s.labels.get(k) == v for k, v in labels.items())]
+        return sum(hits) if hits else None
+
+
+@pytest.fixture
+def kvtierd(tmp_path, swapfile):
+    sock = tmp_path / "kvtierd.sock"
+    conf = tmp_path / "kvtierd.toml"
+    conf.write_text(textwrap.dedent(f"""\
+        [daemon]
+        socket = "{sock}"
+        state_file = ""
+        tick_interval = 0.1
+        residency_interval = 0.5
+        [policy]
+        capacity = {{ "0" = {DRAM_BUDGET} }}
+        min_residence_s = 0.0
+        [hotness]
+        tau_s = 2.0
+        [metrics]
+        address = "127.0.0.1"
+        port = 0
+        """))
+    log = tmp_path / "kvtierd.log"
+    with open(log, "wb") as logf:
+        proc = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", "-c", str(conf)],
+                                stdout=logf, stderr=logf)
+
+    def url():
+        if proc.poll() is not None:
+            raise AssertionError(f"kvtierd exited {proc.returncode}: {log.read_text()}")
+        m = re.search(r"metrics on (http://\S+/metrics)", log.read_text())
+        return m and m.group(1)
+
+    try:
+        metrics_url = wait_for(url, "kvtierd to start its metrics exporter")
+        wait_for(lambda: sock.exists(), "the control socket")
+        yield Namespace(socket=str(sock), url=metrics_url, log=log)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=DEADLINE)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def scrape(url: str) -> Scrape:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        assert r.status == 200
+        assert r.headers["Content-Type"].startswith("text/plain")
+        return Scrape(r.read().decode())
+
+
+def test_metrics_follow_registration_hints_and_migrations(kvtierd):
+    m = scrape(kvtierd.url)
+    assert m.value("kvtier_tier_info", tier="swap", index="1", kind="swap") == 1
+    assert m.value("kvtier_regions") == 0
+    assert m.value("process_resident_memory_bytes") > 0
+
+    with KVChild(POOL) as child, Client(kvtierd.socket, name="test_metrics") as kv:
+        before = child.checksum()
+        region = kv.register(addr=child.addr, length=POOL, block_size=BLOCK, name="pool", tenant="team-a",
+                             pid=child.pid)
+        hot = np.array([0, 1, 2])
+
+        def hint(blocks, count=50):
+            region.hint(np.repeat(blocks, count))
+            kv.flush()
+
+        # Phase 1: blocks 0-2 hot, the rest cold -> the policy pages the cold ones out.
+        def settled_out():
+            hint(hot)
+            s = scrape(kvtierd.url)
+            return s if s.value("kvtier_tier_bytes", tier="dram") == 3 * BLOCK else None
+
+        m = wait_for(settled_out, "the cold blocks to be paged out")
+        assert m.value("kvtier_regions") == 1 and m.value("kvtier_clients") == 1
+        assert m.value("kvtier_registered_bytes") == POOL
+        assert m.value("kvtier_tier_bytes", tier="swap") == 13 * BLOCK
+        assert m.value("kvtier_tier_blocks", tier="swap") == 13
+        assert m.value("kvtier_tenant_tier_bytes", tenant="team-a", tier="dram") == 3 * BLOCK
+        assert m.value("kvtier_region_tier_bytes", name="pool", tier="swap") == 13 * BLOCK
+        out_blocks = m.value("kvtier_migrations_total", src="dram", dst="swap")
+        assert out_blocks >= 13
+        assert m.value("kvtier_migrated_bytes_total", src="dram", dst="swap") == out_blocks * BLOCK
+        assert m.value("kvtier_migration_duration_seconds_count") >= 1
+        assert m.value("kvtier_migration_duration_seconds_bucket", le="+Inf") == \
+            m.value("kvtier_migration_duration_seconds_count")
+        assert m.value("kvtier_requests_total", op="register") == 1
+        assert m.value("kvtier_requests_total", op="hint") >= 1
+        assert m.value("kvtier_hinted_blocks_total") >= 150
+        assert m.value("kvtier_ticks_total") >= 1
+        assert m.value("kvtier_tick_duration_seconds_count") == m.value("kvtier_ticks_total")
+        # The hot blocks hold nearly all the recent accesses and sit in DRAM.
+        assert m.value("kvtier_tier_access_share", tier="dram") > 0.9
+        assert m.value("kvtier_block_temperature_gcount") == 16
+        assert list(region.query()[:3]) == [0, 0, 0]
+
+        # Phase 2: the hot set moves to blocks 10-12 (in swap): they come back in.
+        new_hot = np.array([10, 11, 12])
+
+        def settled_in():
+            hint(new_hot, 200)
+            s = scrape(kvtierd.url)
+            return s if list(region.query()[10:13]) == [0, 0, 0] else None
+
+        m = wait_for(settled_in, "the new hot blocks to be paged in")
+        assert m.value("kvtier_migrations_total", src="swap", dst="dram") >= 3
+        assert m.value("kvtier_migrated_bytes_total", src="swap", dst="dram") >= 3 * BLOCK
+        assert m.value("kvtier_tier_bytes", tier="dram") <= DRAM_BUDGET
+        if m.value("kvtier_hint_block_accesses_total") is not None:
+            # Phase 1's hints all found their blocks in DRAM once settled;
+            # phase 2's first hints found theirs in swap.
+            assert m.value("kvtier_hint_block_accesses_total", tier="swap") > 0
+            assert m.value("kvtier_hint_block_accesses_total", tier="dram") > 0
+
+        # A refused request is counted by op and code.
+        with pytest.raises(KvtierClientError):
+            kv.request("migrate", region=region.id, tier=7)
+        m = scrape(kvtierd.url)
+        assert m.value("kvtier_request_errors_total", op="migrate", code="invalid_argument") == 1
+
+        # kvtierctl top against the same daemon: one frame, no redraw codes.
+        out = io.StringIO()
+        assert top.run(Namespace(socket=kvtierd.socket, once=True, count=0, interval=1.0), out=out) == 0
+        frame = out.getvalue()
+        assert "\x1b[" not in frame
+        assert re.search(r"^dram +dram +0 ", frame, re.M) and re.search(r"^swap +swap ", frame, re.M)
+        assert re.search(r"dram → swap .*total", frame)
+        assert re.search(r"^ +\d+ pool +team-a ", frame, re.M)
+
+        assert child.checksum() == before  # paged out and back, the data is intact
+        region.unregister()
+
+    m = wait_for(lambda: (s := scrape(kvtierd.url)).value("kvtier_regions") == 0 and s, "the region to go")
+    assert m.value("kvtier_region_events_total", event="unregistered") == 1
+    assert m.value("kvtier_tier_bytes", tier="dram") == 0
+
+
+def test_exporter_is_loopback_only_by_default(kvtierd):
+    assert kvtierd.url.startswith("http://127.0.0.1:")
