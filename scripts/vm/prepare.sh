@@ -67,8 +67,13 @@ if [ -n "$pkg" ]; then
     trap 'rm -rf "$dl"' EXIT
     # apt's _apt user must be able to write the download directory.
     chmod 0777 "$dl"
-    (cd "$dl" && apt-get download -q "$pkg=$pkgver" 2>&1 | grep -v 'unsandboxed' || true)
-    deb=$(ls "$dl"/*.deb)
+    # (As root apt warns that it downloads unsandboxed; that is expected here.)
+    (cd "$dl" && apt-get download -q "$pkg=$pkgver" 2>&1 | grep -v 'unsandboxed') || true
+    deb=$(ls "$dl"/*.deb 2>/dev/null | head -n1)
+    if [ -z "$deb" ]; then
+      echo "prepare.sh: apt-get download $pkg=$pkgver failed" >&2
+      exit 1
+    fi
     dpkg -x "$deb" "$dl/root"
     # The metapackage's kernel may use /usr/lib/modules (merged /usr): normalise.
     if [ ! -d "$dl/root/lib/modules/$kver" ] && [ -d "$dl/root/usr/lib/modules/$kver" ]; then
