@@ -57,16 +57,25 @@ class DaemonUnavailable(KvtierClientError, ConnectionError):
 
 def buffer_address(obj: Any) -> tuple[int, int]:
     """(address, length) of a C-contiguous object exposing the buffer protocol
-    (mmap, numpy array, bytearray, torch CPU tensor via numpy())."""
+    (mmap, numpy array, bytearray, torch CPU tensor via numpy()). Holds no
+    buffer export afterwards, so the caller can still close or resize obj."""
     mv = memoryview(obj)
-    if not mv.c_contiguous:
-        raise ValueError("buffer must be C-contiguous")
-    if mv.readonly:
-        # numpy reads the address of read-only buffers too (ctypes cannot).
-        arr = np.frombuffer(mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv, dtype=np.uint8)
-        return int(arr.ctypes.data), mv.nbytes
-    c = (ctypes.c_char * mv.nbytes).from_buffer(mv)
-    return ctypes.addressof(c), mv.nbytes
+    try:
+        if not mv.c_contiguous:
+            raise ValueError("buffer must be C-contiguous")
+        n = mv.nbytes
+        if mv.readonly:
+            # ctypes cannot take a read-only buffer; numpy reads its address.
+            arr = np.frombuffer(mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv, dtype=np.uint8)
+            addr = int(arr.ctypes.data)
+            del arr
+        else:
+            c = (ctypes.c_char * n).from_buffer(mv)
+            addr = ctypes.addressof(c)
+            del c
+        return addr, n
+    finally:
+        mv.release()
 
 
 class Region:
@@ -141,6 +150,7 @@ class Region:
         self._blocks, self._counts, self._pending = [], [], 0
         self.client.call(P.Unregister(region=self.id))
         self.closed = True
+        self._keepalive = None
         self.client._regions.pop(self.id, None)
 
 
@@ -259,8 +269,16 @@ class Client:
             self.async_errors.append(KvtierClientError(op, e.code, e.message, e.errno, e.retry_after_ms))
 
     def _drain(self) -> None:
-        while self._in_flight:
-            self._collect(self._recv_one())
+        try:
+            while self._in_flight:
+                self._collect(self._recv_one())
+        except (ConnectionError, socket.timeout) as e:
+            # The daemon went away with hints in flight. Hints are advisory:
+            # report them lost and let the next call reconnect.
+            for rid, op in self._in_flight.items():
+                self.async_errors.append(KvtierClientError(op, "unavailable", f"answer lost: {e}"))
+            self._in_flight.clear()
+            self.close_socket()
 
     def _send_async(self, req: P.Request) -> None:
         """Pipelined request (hints): answer collected later."""

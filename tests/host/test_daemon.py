@@ -603,3 +603,54 @@ def test_operator_moves_blocks_to_swap_and_back(swapfile, workdir):
             assert bad.returncode == 1 and "never_swap" in bad.stderr
     finally:
         assert d.stop() == 0
+
+
+def test_register_buffer_objects(daemon):
+    """numpy arrays (not page-aligned: malloc'ed), MAP_SHARED memfd mmaps and
+    read-only buffers all register by the buffer protocol."""
+    import mmap as _mmap
+
+    import numpy as np
+
+    with daemon.client() as c:
+        arr = np.ones(3 << 20, dtype=np.uint8)
+        ra = c.register(arr, block_size=1 << 20, name="numpy")
+        assert (ra.start, ra.length, ra.nblocks) == (arr.ctypes.data, arr.nbytes, 3)
+        fd = os.memfd_create("kv")
+        os.ftruncate(fd, 4 << 20)
+        shared = _mmap.mmap(fd, 4 << 20)
+        rs = c.register(shared, block_size=1 << 20, tenant="t")
+        ro = np.frombuffer(shared, dtype=np.uint8)[: 1 << 20]  # read-only view of the same memory
+        with pytest.raises(KvtierClientError) as ei:
+            c.register(ro, block_size=1 << 20)
+        assert ei.value.code == "overlap"
+        del ei, ro  # the traceback's frames would keep the view (and its export) alive
+        with pytest.raises(ValueError, match="C-contiguous"):
+            c.register(arr.reshape(3, -1)[:, ::2], block_size=1 << 20)
+        names = {r["name"] for r in c.request("regions")["regions"]}
+        assert names == {"numpy", ""}
+        with ra, rs:
+            pass  # the context manager unregisters
+        assert c.request("regions")["regions"] == []
+        shared.close()  # no export left behind by the client library
+        os.close(fd)
+
+
+def test_pipelined_hints_survive_a_daemon_restart(daemon):
+    import mmap as _mmap
+
+    c = daemon.client(reconnect_timeout=30)
+    buf = _mmap.mmap(-1, 4 << 20)
+    buf.write(b"\1" * len(buf))
+    r = c.register(buf, block_size=1 << 20)
+    r.hint([0, 1])
+    assert c.flush() == []
+    daemon.stop()
+    daemon.start()
+    for _ in range(3):  # sent into the dead connection or the new one: never an exception
+        r.hint([2, 3])
+        c.flush()
+    r.hint([3])
+    assert c.flush() == []
+    assert r.query().size == 4  # same handle, re-adopted region
+    c.close()
