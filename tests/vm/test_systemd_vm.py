@@ -1,0 +1,285 @@
+"""kvtierd under a real systemd: the guest's PID 1 is the host's systemd 252
+(scripts/vm/run.py --systemd), kvtierd is installed the way the README tells
+an operator (scripts/install-systemd.sh, then systemctl), and each test
+drives it only through systemctl, journalctl, kvtierctl and the client
+library, as an operator and an inference engine would.
+
+All tests share one installation (a module fixture). WatchdogSec is 30 s in
+the shipped unit; a drop-in shortens it to WATCHDOG_S here so the watchdog
+test does not wait half a minute (it changes nothing else). Every wait polls
+a condition with a generous deadline: the guest runs under TCG.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvtier import native
+from kvtier.client import Client
+from kvtier.procfs import PM_SWAP, Pagemap
+from vmhelpers import CXL_NODE, DRAM_NODE, FAR_NODE, MiB, numa_maps_nodes
+
+pytestmark = pytest.mark.vmsystemd
+
+REPO = Path(__file__).resolve().parent.parent.parent
+INSTALL = REPO / "scripts" / "install-systemd.sh"
+SERVICE = "kvtierd.service"
+SOCKET_UNIT = "kvtierd.socket"
+CONFIG = Path("/etc/kvtierd/kvtierd.toml")
+UNIT_DIR = Path("/etc/systemd/system")
+WATCHDOG_DROPIN = UNIT_DIR / "kvtierd.service.d" / "50-vmtest-watchdog.conf"
+WATCHDOG_S = 8
+DEADLINE = 120.0  # a daemon start under TCG takes seconds, more on a busy host
+PAGE = native.PAGE_SIZE
+# kvtierd's status line (daemon.Daemon._status_line), as sd_notify STATUS=.
+STATUS_RE = re.compile(r"\d+ regions of \d+ processes, \d+ blocks; \d+ clients; tick [\d.]+ ms")
+# One logfmt line as kvtier.logs writes it for the journal: no ts=, level first.
+LOGFMT_RE = re.compile(r'^level=(debug|info|warning|error|critical) logger=kvtier[.\w]* (msg|event)=')
+
+
+def sh(*argv: str, check: bool = True, timeout: float = DEADLINE) -> subprocess.CompletedProcess:
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    if check and r.returncode != 0:
+        raise AssertionError(f"{' '.join(argv)} exited {r.returncode}:\n{r.stdout}{r.stderr}")
+    return r
+
+
+def show(unit: str, *props: str) -> dict[str, str]:
+    out = sh("systemctl", "show", unit, *(f"--property={p}" for p in props)).stdout
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+def wait_for(pred, what: str, timeout: float = DEADLINE, interval: float = 0.2):
+    end = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+def main_pid() -> int:
+    return int(show(SERVICE, "MainPID")["MainPID"])
+
+
+def ctl(*args: str) -> dict:
+    """kvtierctl --json, as an operator runs it."""
+    return json.loads(sh("kvtierctl", "--json", *args).stdout)
+
+
+def journal(*args: str) -> list[dict]:
+    out = sh("journalctl", "--no-pager", "-o", "json", *args).stdout
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def installed():
+    r = sh(str(INSTALL))
+    assert "installed kvtierd units" in r.stdout, r.stdout + r.stderr
+    WATCHDOG_DROPIN.parent.mkdir(exist_ok=True)
+    WATCHDOG_DROPIN.write_text(f"# tests/vm/test_systemd_vm.py: a short watchdog for the test\n"
+                               f"[Service]\nWatchdogSec={WATCHDOG_S}s\n")
+    sh("systemctl", "daemon-reload")
+    sh("systemctl", "enable", SOCKET_UNIT, SERVICE)
+    sh("systemctl", "start", SOCKET_UNIT)
+    yield
+    sh("systemctl", "stop", SERVICE, SOCKET_UNIT, check=False)
+
+
+@pytest.fixture
+def running(installed):
+    """kvtierd active (started if an earlier test left it stopped)."""
+    sh("systemctl", "start", SERVICE)
+    yield main_pid()
+
+
+@pytest.fixture
+def kv_pool():
+    """Anonymous memory filled with a pattern, like an engine's KV pool."""
+    size = 4 * MiB
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf.madvise(mmap.MADV_NOHUGEPAGE)
+    arr = np.frombuffer(buf, dtype=np.uint8)
+    arr[:] = np.random.default_rng(7).integers(0, 256, size, dtype=np.uint8)
+    yield arr
+    del arr
+    buf.close()
+
+
+def test_systemctl_start_reaches_active_through_ready_and_shows_status(installed):
+    # Type=notify: `systemctl start` returns only once kvtierd sent READY=1
+    # (or failed); STATUS= text can only come from the daemon's sd_notify.
+    sh("systemctl", "start", SERVICE)
+    p = show(SERVICE, "ActiveState", "SubState", "Type", "StatusText", "MainPID", "NotifyAccess",
+             "WatchdogUSec", "ExecMainStatus")
+    assert (p["ActiveState"], p["SubState"], p["Type"]) == ("active", "running", "notify"), p
+    assert STATUS_RE.fullmatch(p["StatusText"]), p["StatusText"]
+    assert p["WatchdogUSec"] == f"{WATCHDOG_S}s"
+    assert show(SOCKET_UNIT, "ActiveState")["ActiveState"] == "active"
+    # The main process is kvtierd itself, not a wrapper.
+    pid = int(p["MainPID"])
+    assert "kvtierd" in Path(f"/proc/{pid}/cmdline").read_bytes().decode()
+    status = sh("systemctl", "status", "--no-pager", "--lines=0", SERVICE).stdout
+    assert "active (running)" in status
+    assert re.search(r"Status: \"" + STATUS_RE.pattern, status), status
+    assert ctl("status")["pid"] == pid
+
+
+def test_journal_shows_structured_log_lines(running):
+    pid = running
+
+    def daemon_lines():
+        return [e for e in journal("-u", SERVICE) if e.get("_PID") == str(pid)]
+
+    ready = wait_for(lambda: [e for e in daemon_lines() if "ready" in e["MESSAGE"]], "kvtierd's ready line")
+    lines = daemon_lines()
+    for e in lines:
+        # journald stripped the "<N>" prefix into PRIORITY; no timestamp field
+        # (the journal stamps entries itself); the rest is logfmt.
+        assert LOGFMT_RE.match(e["MESSAGE"]), e["MESSAGE"]
+        assert not e["MESSAGE"].startswith("<")
+        level = re.match(r"level=(\w+)", e["MESSAGE"]).group(1)
+        assert e["PRIORITY"] == {"debug": "7", "info": "6", "warning": "4", "error": "3", "critical": "2"}[level]
+    assert 'logger=kvtier.daemon msg="kvtierd' in ready[0]["MESSAGE"]
+    assert ready[0]["SYSLOG_IDENTIFIER"] == "kvtierd"
+
+
+def _tier_index(tiers: list[dict], *, node: int | None = None, kind: str | None = None) -> int:
+    for t in tiers:
+        if (node is not None and t["nodes"] == [node]) or (kind is not None and t["kind"] == kind):
+            return t["index"]
+    raise AssertionError(f"no tier with node={node} kind={kind}: {tiers}")
+
+
+def test_hardened_unit_migrates_to_far_and_cxl_and_pages_out_to_nvme_swap(running, kv_pool):
+    """The unit's sandbox (capabilities, syscall filter, read-only system)
+    must leave move_pages, process_madvise(MADV_PAGEOUT) and /proc intact:
+    kvtierctl migrate --pin sends 1 MiB blocks to node 1, node 2 (CXL) and
+    swap, and the kernel's own views agree."""
+    block = 1 * MiB
+    addr = kv_pool.ctypes.data
+    before = kv_pool.sum(dtype=np.uint64)
+    tiers = ctl("tiers")["tiers"]
+    far, cxl, swap = (_tier_index(tiers, node=FAR_NODE), _tier_index(tiers, node=CXL_NODE),
+                      _tier_index(tiers, kind="swap"))
+    with Client(timeout=60) as kv:
+        region = kv.register(kv_pool, block_size=block, name="systemd-vm")
+        for blk, tier in ((0, far), (1, cxl), (2, swap)):
+            ctl("migrate", str(region.id), str(tier), "--blocks", str(blk), "--pin")
+        pages = np.uint64(addr) + np.arange(4 * block // PAGE, dtype=np.uint64) * np.uint64(PAGE)
+        per_block = block // PAGE
+
+        def nodes() -> np.ndarray:
+            return native.move_pages(os.getpid(), pages, None).reshape(4, per_block)
+
+        def swapped() -> np.ndarray:
+            with Pagemap(os.getpid()) as pm:
+                return (pm.read(addr + 2 * block, per_block, PAGE) & PM_SWAP) != 0
+
+        def placed() -> bool:
+            n = nodes()
+            return bool((n[0] == FAR_NODE).all() and (n[1] == CXL_NODE).all() and swapped().all())
+
+        wait_for(placed, "blocks 0/1/2 on node 1, node 2 and in swap")
+        n = nodes()
+        assert (n[3] == DRAM_NODE).all()  # the block nobody asked to move stayed
+        by_node = numa_maps_nodes(os.getpid(), addr)
+        assert by_node.get(FAR_NODE, 0) >= per_block and by_node.get(CXL_NODE, 0) >= per_block
+        # The daemon did it, and its books agree: blocks moved from DRAM to
+        # each tier, no failure (an EPERM from the sandbox would count here).
+        assert list(region.query()) == [far, cxl, swap, 0]
+        stats = kv.stats()
+        assert stats["migration_failures"] == {}, stats["migration_failures"]
+        for tier in (far, cxl, swap):
+            assert stats["migrations"].get(f"0:{tier}", 0) >= 1, stats["migrations"]
+        region.unregister()
+    assert kv_pool.sum(dtype=np.uint64) == before  # bytes survive the round trip (swap-in on read)
+
+
+def test_systemctl_reload_applies_a_changed_config(running):
+    pid = running
+    original = CONFIG.read_text()
+    assert "#dry_run = false" in original
+    reloads = ctl("stats")["config_reloads_total"]
+    assert ctl("status")["engine"]["dry_run"] is False
+    try:
+        CONFIG.write_text(original.replace("#dry_run = false", "dry_run = true", 1))
+        sh("systemctl", "reload", SERVICE)
+        wait_for(lambda: ctl("stats")["config_reloads_total"] == reloads + 1, "SIGHUP to be handled")
+        assert ctl("status")["engine"]["dry_run"] is True
+        assert main_pid() == pid  # reloaded in place, not restarted
+        wait_for(lambda: show(SERVICE, "SubState")["SubState"] == "running", "the end of RELOADING=1")
+    finally:
+        CONFIG.write_text(original)
+        sh("systemctl", "reload", SERVICE)
+    wait_for(lambda: ctl("stats")["config_reloads_total"] == reloads + 2, "the second reload")
+    assert ctl("status")["engine"]["dry_run"] is False
+
+
+def test_restart_keeps_registrations_and_the_client_only_reconnects(running, kv_pool):
+    old_pid = running
+    with Client(timeout=60, reconnect_timeout=DEADLINE) as kv:
+        regions = [kv.register(kv_pool[i * MiB:(i + 2) * MiB], block_size=MiB, name=f"r{i}") for i in (0, 2)]
+        ids = sorted(r.id for r in regions)
+        sh("systemctl", "restart", SERVICE)
+        new_pid = main_pid()
+        assert new_pid != old_pid
+        # The same handles keep working: the first call finds the old
+        # connection dead, reconnects once and is answered by the new daemon.
+        for r in regions:
+            assert len(r.query()) == 2
+            r.hint([0, 1])
+        assert kv.flush() == []
+        assert kv.reconnects == 1
+        assert kv.status()["pid"] == new_pid
+        assert kv.stats()["regions_adopted_total"] == 2
+        mine = [r for r in ctl("regions")["regions"] if r["pid"] == os.getpid()]
+        assert sorted(r["id"] for r in mine) == ids
+        for r in regions:
+            r.unregister()
+    adopted = [e["MESSAGE"] for e in journal("-u", SERVICE, f"_PID={new_pid}") if "re-adopted" in e["MESSAGE"]]
+    assert adopted and "re-adopted 2 region(s)" in adopted[0], adopted
+
+
+def test_socket_activation_starts_the_stopped_service(running):
+    sh("systemctl", "stop", SERVICE)
+    assert show(SERVICE, "ActiveState")["ActiveState"] == "inactive"
+    assert show(SOCKET_UNIT, "ActiveState", "SubState") == {"ActiveState": "active", "SubState": "listening"}
+    # Connecting is what starts it: systemd holds the listening socket, queues
+    # the connection, starts kvtierd with the fd, and kvtierd answers.
+    with Client(timeout=DEADLINE) as kv:
+        assert kv.server["server"] == "kvtierd"
+        status = kv.status()
+    assert show(SERVICE, "ActiveState")["ActiveState"] == "active"
+    assert status["pid"] == main_pid()
+
+
+def test_watchdog_restarts_a_frozen_daemon(running):
+    pid = running
+    restarts = int(show(SERVICE, "NRestarts")["NRestarts"])
+    os.kill(pid, signal.SIGSTOP)  # the event loop stops pinging WATCHDOG=1
+    try:
+        wait_for(lambda: main_pid() not in (0, pid) and show(SERVICE, "ActiveState")["ActiveState"] == "active",
+                 "systemd to kill and restart the frozen kvtierd", timeout=DEADLINE + WATCHDOG_S)
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert int(show(SERVICE, "NRestarts")["NRestarts"]) == restarts + 1
+    assert not Path(f"/proc/{pid}").exists()
+    msgs = [e.get("MESSAGE", "") for e in journal("-u", SERVICE, "_PID=1")]
+    assert any("Watchdog timeout" in m for m in msgs), msgs[-10:]
+    assert ctl("status")["pid"] == main_pid()
