@@ -9,7 +9,8 @@
 # clones (CI) reuse it:  $KVTIER_VM_CACHE (default /var/cache/kvtier-vm, or
 # ~/.cache/kvtier-vm when /var/cache is not writable)
 #   <kver>/boot/vmlinuz-<kver>, <kver>/lib/modules/<kver>/...
-#   <kver>/initramfs-<hash>.cpio.gz  (hash of init + builder, so edits rebuild)
+#   <kver>/initramfs-<hash>.cpio.gz  (hash of init + builder + busybox; run.py
+#                                     boots the one matching its checkout)
 #   current                          (kver and initramfs path, read by run.py)
 # Idempotent: a second run with everything in place only checks and prints.
 set -euo pipefail
@@ -94,9 +95,11 @@ fi
 hash=$(cat "$here/init" "$here/mkinitramfs.py" /bin/busybox | sha256sum | cut -c1-16)
 initrd="$kdir/initramfs-$hash.cpio.gz"
 if [ ! -f "$initrd" ]; then
-  rm -f "$kdir"/initramfs-*.cpio.gz
   "$py" "$here/mkinitramfs.py" "$kdir" "$kver" "$here/init" "$initrd"
 fi
+# Images of other init versions stay (another checkout, e.g. CI's clone, may
+# boot one; run.py picks by hash) until unused for a month.
+find "$kdir" -maxdepth 1 -name 'initramfs-*.cpio.gz' ! -name "$(basename "$initrd")" -atime +30 -delete
 
 printf '%s\n%s\n' "$kver" "$initrd" > "$cache/current.tmp"
 mv "$cache/current.tmp" "$cache/current"

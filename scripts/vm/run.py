@@ -32,6 +32,7 @@ runs under TCG, which is why every wait here is bounded.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -98,17 +99,30 @@ class GuestImage:
         current = cache / "current"
         if not current.exists():
             raise Unavailable(f"no guest kernel in {cache} (run scripts/vm/prepare.sh)")
-        kver, initrd = current.read_text().split()[:2]
+        kver = current.read_text().split()[0]
         img = cls(
             kver=kver,
             kernel=cache / kver / "boot" / f"vmlinuz-{kver}",
-            initrd=Path(initrd),
+            # Named by the hash of what built it, so an edited init is never
+            # booted from a stale image.
+            initrd=cache / kver / f"initramfs-{initramfs_hash()}.cpio.gz",
             modules=cache / kver / "lib" / "modules" / kver,
         )
         for p in (img.kernel, img.initrd, img.modules / "modules.dep"):
             if not p.exists():
-                raise Unavailable(f"guest image incomplete: {p} missing (run scripts/vm/prepare.sh)")
+                raise Unavailable(f"guest image missing or out of date: no {p} (run scripts/vm/prepare.sh)")
         return img
+
+
+def initramfs_hash() -> str:
+    """The hash prepare.sh names the initramfs by (init, builder, busybox)."""
+    h = hashlib.sha256()
+    for p in (HERE / "init", HERE / "mkinitramfs.py", Path("/bin/busybox")):
+        try:
+            h.update(p.read_bytes())
+        except OSError as e:
+            raise Unavailable(f"cannot read {p}: {e.strerror} (busybox-static comes with scripts/setup.sh)") from None
+    return h.hexdigest()[:16]
 
 
 def find_qemu() -> str:
