@@ -20,11 +20,13 @@ block in swap is faulted back and a block on a slow node is read there.
 Every block read is also sent to the daemon as a hint, batched by the
 client library.
 
-Once a second the workload asks the daemon where each block is
-(``region.query()``) and records, from its own ground truth of which
-blocks it read, how many block reads found their block in each tier: the
-hot-set residency the demo plots. One JSON line per second goes to
-``--timeline``; a one-line status goes to stdout.
+Once a second the workload measures where each of its blocks really is
+(move_pages status and /proc/self/pagemap, the kernel's answer rather than
+the daemon's belief; each block counts in the tier holding most of its
+pages) and records, from its own ground truth of which blocks it read, how
+many block reads found their block in each tier: the hot-set residency the
+demo plots. One JSON line per second goes to ``--timeline``; a one-line
+status goes to stdout.
 
 ``--start-node N`` first-touches the pool on NUMA node N (MPOL_PREFERRED),
 i.e. the pool starts in a capacity tier and kvtier must bring the hot set
@@ -46,6 +48,7 @@ import numpy as np
 
 from kvtier import native
 from kvtier.client import Client
+from kvtier.migrator import Migrator
 
 MIB = 1 << 20
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -123,6 +126,9 @@ class Workload:
         self.client = client
         self.region = client.register(addr=self.pool.addr, length=self.pool.size, block_size=self.pool.block,
                                       name="kv-pool", tenant="demo")
+        self.migrator = Migrator()
+        self.starts = (np.arange(self.pool.nblocks, dtype=np.uint64) * np.uint64(self.pool.block)
+                       + np.uint64(self.pool.addr))
         self.sessions: list[Session] = []
         self.next_sid = 1
         self.finished = 0
@@ -138,11 +144,19 @@ class Workload:
             self.rejected += 1
             return
         blocks = [self.pool.free.pop(0) for _ in range(prompt)]
-        self.pool.write(np.array(blocks), self.next_sid & 0xFF)  # prefill writes the prompt's KV
+        self.touch_new(blocks, self.next_sid)  # prefill writes the prompt's KV
         steps = int(self.rng.integers(a.decode_steps[0], a.decode_steps[1] + 1))
         self.sessions.append(Session(self.next_sid, blocks, 0, steps))
-        self.region.phase("active", blocks)
         self.next_sid += 1
+
+    def touch_new(self, blocks: list[int], sid: int) -> None:
+        """A block taken from the free list is written (its KV) and, being
+        written, is hot: say so at once rather than at the next read."""
+        arr = np.array(blocks)
+        self.pool.write(arr, sid & 0xFF)
+        self.region.phase("active", arr)
+        self.region.hint(arr)
+        np.add.at(self.interval_reads, arr, 1)
 
     def finish(self, s: Session) -> None:
         self.sessions.remove(s)
@@ -171,9 +185,8 @@ class Workload:
                 s.tokens = 0
                 if self.pool.free:
                     nb = self.pool.free.pop(0)
-                    self.pool.write(np.array([nb]), s.sid & 0xFF)
+                    self.touch_new([nb], s.sid)
                     s.blocks.append(nb)
-                    self.region.phase("active", [nb])
             if s.steps_left <= 0:
                 self.finish(s)
         if not reads:
@@ -193,7 +206,8 @@ class Workload:
         next_step = t0
         tiers = self.client.request("tiers")["tiers"]
         names = [t["name"] for t in tiers]
-        where = self.region.query()
+        where = self.measure(tiers)
+        steps = 0
         while not stop["now"]:
             now = time.time()
             if now - t0 >= a.duration:
@@ -202,8 +216,10 @@ class Workload:
             if self.rng.random() < a.arrival_rate / a.step_rate or not self.sessions:
                 self.arrive()
             self.step()
+            steps += 1
             if now >= next_sample:
-                where = self.sample(now - t0, where, names, timeline)
+                where = self.sample(now - t0, where, tiers, names, steps, timeline)
+                steps = 0
                 next_sample = max(next_sample + 1.0, time.time() + 0.5)  # no catch-up bursts
             next_step += 1.0 / a.step_rate
             delay = next_step - time.time()
@@ -215,9 +231,23 @@ class Workload:
         return {"elapsed_s": time.time() - t0, "sessions_started": self.next_sid - 1,
                 "sessions_finished": self.finished, "sessions_rejected": self.rejected}
 
-    def sample(self, t: float, where: np.ndarray, names: list[str], timeline) -> np.ndarray:
-        """Record the last second against the placement known during it, then
-        ask the daemon for the current placement."""
+    def measure(self, tiers: list[dict]) -> np.ndarray:
+        """Tier index of each block from the kernel (move_pages + pagemap):
+        the tier holding most of its pages, swap included; -1 if none."""
+        r = self.migrator.residency(os.getpid(), self.starts, self.pool.block)
+        per_tier = np.zeros((self.pool.nblocks, len(tiers)), dtype=np.int64)
+        for t in tiers:
+            for node in t["nodes"]:
+                if node < r.node_pages.shape[1]:
+                    per_tier[:, t["index"]] += r.node_pages[:, node]
+            if t["kind"] == "swap":
+                per_tier[:, t["index"]] += r.swapped
+        return np.where(per_tier.sum(axis=1) > 0, per_tier.argmax(axis=1), -1)
+
+    def sample(self, t: float, where: np.ndarray, tiers: list[dict], names: list[str], steps: int,
+               timeline) -> np.ndarray:
+        """Record the last second against the placement measured at its
+        start, then measure the placement for the next one."""
         reads = self.interval_reads
         self.interval_reads = np.zeros_like(reads)
         self.client.flush()
@@ -228,29 +258,34 @@ class Workload:
         hot = reads > 0
         hot_bytes = int(hot.sum()) * self.pool.block
         hot_dram = int((hot & (where == 0)).sum()) * self.pool.block
-        tiers = self.client.request("tiers")["tiers"]
+        daemon_tiers = self.client.request("tiers")["tiers"]
         stats = self.client.stats()
+        now_where = self.measure(tiers)
         rec = {
             "t": round(t, 2),
             "sessions": len(self.sessions),
+            "steps": steps,
             "reads": total,
             "reads_by_tier": by_tier,
             "residency": (by_tier.get(names[0], 0) / total) if total else None,
             "hot_bytes": hot_bytes,
             "hot_bytes_dram": hot_dram,
-            "tier_bytes": {t["name"]: t["kvtier_bytes"] for t in tiers},
-            "tier_capacity": {t["name"]: t["capacity"] for t in tiers},
+            # where the pool is now, measured (bytes per tier) and as the daemon believes
+            "pool_bytes": {_tier_name(names, int(x)): int((now_where == x).sum()) * self.pool.block
+                           for x in np.unique(now_where)},
+            "tier_bytes": {d["name"]: d["kvtier_bytes"] for d in daemon_tiers},
             "migrated_bytes": stats.get("migrated_bytes", {}),
             "migration_failures": stats.get("migration_failures", {}),
         }
         timeline.write(json.dumps(rec) + "\n")
         timeline.flush()
         moved = sum(rec["migrated_bytes"].values())
-        occ = "  ".join(f"{n} {rec['tier_bytes'].get(n, 0) / MIB:.0f}" for n in names)
+        occ = "  ".join(f"{n} {rec['pool_bytes'].get(n, 0) / MIB:3.0f}" for n in names)
         res = "  -" if rec["residency"] is None else f"{100 * rec['residency']:3.0f}%"
         print(f"[{t:5.0f}s] sessions {len(self.sessions):2d}  hot set {hot_bytes / MIB:4.0f} MiB, "
-              f"reads from {names[0]} {res}  | MiB: {occ}  | moved {moved / MIB:.0f} MiB", flush=True)
-        return self.region.query()
+              f"reads served from {names[0]} {res}  | pool MiB: {occ}  | moved {moved / MIB:4.0f} MiB",
+              flush=True)
+        return now_where
 
 
 def _tier_name(names: list[str], t: int) -> str:
@@ -269,7 +304,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--socket", help="kvtierd socket (default $KVTIER_SOCKET)")
     ap.add_argument("--timeline", required=True, help="JSON lines, one per second")
     ap.add_argument("--summary", help="JSON summary at the end")
-    ap.add_argument("--duration", type=float, default=120.0, help="seconds of serving")
+    ap.add_argument("--duration", type=float, default=180.0, help="seconds of serving")
     ap.add_argument("--pool-mib", type=int, default=256)
     ap.add_argument("--block-mib", type=int, default=2)
     ap.add_argument("--prefix-blocks", type=int, default=4, help="shared prefix blocks every session reads")

@@ -1,0 +1,210 @@
+#!/usr/bin/env python3
+"""Draws the demo report from a driver run directory.
+
+    scripts/demo/report.py --run DIR --out out/demo
+
+Reads DIR/timeline.jsonl (one record per second from workload.py),
+DIR/run.json (tiers and targets) and DIR/metrics.txt (kvtierd's last
+/metrics scrape) and writes into --out:
+
+* placement.png: top, the share of the workload's block reads served from
+  DRAM (hot-set residency) per second and its 10 s mean; bottom, where the
+  KV pool is (bytes per tier, measured by the workload from the kernel)
+  with the DRAM target;
+* report.md: the numbers (residency at the start and at the end, bytes
+  moved per tier pair, failures by reason) and the plot.
+
+Runs on the host after the guest exits (matplotlib under TCG would take
+longer than the demo).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+MIB = 1 << 20
+
+
+def load(run: Path) -> tuple[list[dict], dict, dict]:
+    timeline = [json.loads(line) for line in (run / "timeline.jsonl").read_text().splitlines() if line.strip()]
+    meta = json.loads((run / "run.json").read_text()) if (run / "run.json").exists() else {}
+    summary = json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else {}
+    return timeline, meta, summary
+
+
+def parse_metrics(path: Path) -> dict[str, list[tuple[dict, float]]]:
+    if not path.exists():
+        return {}
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, list[tuple[dict, float]]] = {}
+    for fam in text_string_to_metric_families(path.read_text()):
+        for s in fam.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def tier_names(meta: dict, timeline: list[dict]) -> list[str]:
+    if meta.get("tiers"):
+        return [t["name"] for t in meta["tiers"]]
+    return list(timeline[-1].get("tier_bytes", {})) if timeline else []
+
+
+def moved_table(timeline: list[dict], meta: dict, metrics: dict) -> list[tuple[str, str, int, int]]:
+    """(src, dst, blocks, bytes) per tier pair, from the daemon's counters."""
+    names = tier_names(meta, timeline)
+    blocks: dict[tuple[str, str], int] = {}
+    nbytes: dict[tuple[str, str], int] = {}
+    if metrics.get("kvtier_migrated_bytes_total"):
+        for labels, v in metrics["kvtier_migrated_bytes_total"]:
+            nbytes[(labels["src"], labels["dst"])] = int(v)
+        for labels, v in metrics.get("kvtier_migrations_total", []):
+            blocks[(labels["src"], labels["dst"])] = int(v)
+    elif timeline:
+        # No final scrape: the daemon's stats as the workload last saw them.
+        for key, v in timeline[-1].get("migrated_bytes", {}).items():
+            s, d = (int(x) for x in key.split(":"))
+            nbytes[(names[s] if 0 <= s < len(names) else str(s), names[d] if 0 <= d < len(names) else str(d))] = v
+    order = {n: i for i, n in enumerate(names)}
+    keys = sorted(nbytes, key=lambda k: (order.get(k[0], 99), order.get(k[1], 99)))
+    return [(s, d, blocks.get((s, d), 0), nbytes[(s, d)]) for s, d in keys]
+
+
+def failures(metrics: dict) -> list[tuple[str, str, str, int]]:
+    return [(lb["src"], lb["dst"], lb["reason"], int(v))
+            for lb, v in metrics.get("kvtier_migration_failures_total", []) if v]
+
+
+def residency_series(timeline: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    t = np.array([r["t"] for r in timeline], dtype=float)
+    res = np.array([np.nan if r.get("residency") is None else r["residency"] for r in timeline], dtype=float)
+    return t, res
+
+
+def window_mean(t: np.ndarray, v: np.ndarray, lo: float, hi: float) -> float | None:
+    m = (t >= lo) & (t < hi) & ~np.isnan(v)
+    return float(v[m].mean()) if m.any() else None
+
+
+def rolling(t: np.ndarray, v: np.ndarray, width: float) -> np.ndarray:
+    means = [window_mean(t, v, x - width, x + 1e-9) for x in t]
+    return np.array([np.nan if m is None else m for m in means], dtype=float)
+
+
+def plot(timeline: list[dict], meta: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = tier_names(meta, timeline)
+    t, res = residency_series(timeline)
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 7), sharex=True, gridspec_kw={"height_ratios": [1, 1.2]})
+    ax1.plot(t, 100 * res, color="#9ecae1", lw=1, label="per second")
+    ax1.plot(t, 100 * rolling(t, res, 10.0), color="#08519c", lw=2.2, label="10 s mean")
+    hot = np.array([r["hot_bytes"] for r in timeline], dtype=float)
+    hot_dram = np.array([r["hot_bytes_dram"] for r in timeline], dtype=float)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ax1.plot(t, 100 * hot_dram / hot, color="#fd8d3c", lw=1, ls="--", label="hot blocks (read in the second) in DRAM")
+    ax1.set_ylim(0, 105)
+    ax1.set_ylabel("block reads served\nfrom DRAM (%)")
+    ax1.set_title("kvtier demo: hot-set residency and KV pool placement")
+    ax1.legend(loc="lower right", fontsize=8)
+    ax1.grid(alpha=0.3)
+
+    colors = {"dram": "#08519c", "far": "#6baed6", "cxl": "#74c476", "swap": "#bdbdbd"}
+    kinds = {t_["name"]: t_["kind"] for t_ in meta.get("tiers", [])}
+    series = []
+    for n in names:
+        series.append(np.array([r.get("pool_bytes", r.get("tier_bytes", {})).get(n, 0) for r in timeline]) / MIB)
+    other = np.array([sum(v for k, v in r.get("pool_bytes", {}).items() if k not in names) for r in timeline]) / MIB
+    ax2.stackplot(t, *series, other, labels=names + ["not measured"],
+                  colors=[colors.get(kinds.get(n, n), None) or "#9e9ac8" for n in names] + ["#f0f0f0"], alpha=0.9)
+    budget = (meta.get("budgets") or {}).get("0")
+    if budget:
+        ax2.axhline(budget / MIB, color="black", lw=1, ls=":", label=f"DRAM target {budget / MIB:.0f} MiB")
+    ax2.set_ylabel("KV pool bytes per tier (MiB)")
+    ax2.set_xlabel("seconds since the workload started")
+    ax2.legend(loc="upper right", fontsize=8, ncol=2)
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def markdown(timeline: list[dict], meta: dict, summary: dict, metrics: dict, png: str) -> str:
+    t, res = residency_series(timeline)
+    end = float(t[-1]) if len(t) else 0.0
+    first = window_mean(t, res, 0, 10)
+    last = window_mean(t, res, max(0.0, end - 30), end + 1)
+    rows = moved_table(timeline, meta, metrics)
+    total = sum(r[3] for r in rows)
+    lines = [
+        "# kvtier demo report",
+        "",
+        f"Machine: {'QEMU guest (TCG)' if meta.get('in_vm') else 'this host'}; tiers "
+        + ", ".join(f"{x['name']} ({x['kind']}, nodes {','.join(map(str, x['nodes'])) or '-'})"
+                    for x in meta.get("tiers", [])) + ".",
+        f"KV pool {meta.get('pool_mib', '?')} MiB in {summary.get('block_bytes', 2 * MIB) // MIB} MiB blocks; "
+        f"{summary.get('sessions_started', '?')} sessions over {summary.get('elapsed_s', end):.0f} s; "
+        "DRAM target " + (f"{int(meta['budgets']['0']) // MIB} MiB" if meta.get("budgets") else "?") + ".",
+        "",
+        "| | block reads served from DRAM |",
+        "|---|---|",
+        f"| first 10 s | {_pct(first)} |",
+        f"| last 30 s | {_pct(last)} |",
+        "",
+        f"![placement]({png})",
+        "",
+        "## Bytes moved per tier pair",
+        "",
+        "| from | to | blocks | bytes |",
+        "|---|---|---:|---:|",
+    ]
+    lines += [f"| {s} | {d} | {b} | {n / MIB:.0f} MiB |" for s, d, b, n in rows]
+    lines.append(f"| **all** | | {sum(r[2] for r in rows)} | **{total / MIB:.0f} MiB** |")
+    fails = failures(metrics)
+    if fails:
+        lines += ["", "Migration failures (pages, or blocks when a whole batch failed):", "",
+                  "| from | to | reason | count |", "|---|---|---|---:|"]
+        lines += [f"| {s} | {d} | {why} | {n} |" for s, d, why, n in fails]
+    lines += [
+        "",
+        "Residency is measured by the workload itself: before each second it asks the kernel",
+        "(move_pages, /proc/self/pagemap) where each block's pages are, then counts which of the",
+        "block reads of that second found their block in DRAM. Bytes moved are kvtierd's own",
+        "counters (`kvtier_migrated_bytes_total`, its last /metrics scrape).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f} %"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--run", type=Path, required=True, help="the driver's --out directory")
+    ap.add_argument("--out", type=Path, required=True, help="where report.md and placement.png go")
+    a = ap.parse_args(argv)
+    timeline, meta, summary = load(a.run)
+    if not timeline:
+        print(f"report: {a.run / 'timeline.jsonl'} is empty: the workload recorded nothing", file=sys.stderr)
+        return 1
+    metrics = parse_metrics(a.run / "metrics.txt")
+    a.out.mkdir(parents=True, exist_ok=True)
+    plot(timeline, meta, a.out / "placement.png")
+    md = markdown(timeline, meta, summary, metrics, "placement.png")
+    (a.out / "report.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
