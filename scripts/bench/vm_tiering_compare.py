@@ -19,13 +19,18 @@ Modes, each with a fresh workload process:
                 node 1 with migrate_hot -> node 0, node 0 with migrate_cold
                 -> node 1 (vaddr DAMOS migrations are accepted but never
                 applied on 6.12). Quota 256 MiB/s per scheme.
+  kvtier_hints  kvtierd (its default config, DRAM target 96 MiB, the slow
+                emulated CXL tier left out as in scripts/demo), the pool
+                registered by pid, and the reader sending a hint per block
+                read after each pass.
+  kvtier_damon  the same without hints: DAMON vaddr (and perf faults) only.
 
 Measured every second: the fraction of the current hot set's pages on node 0
 (move_pages query) and pool bytes on node 0; over the run: /proc/vmstat
 migration counters (pgmigrate_success = pages moved by any migration,
 pgpromote_success, numa_*), DAMOS sz_applied per scheme, and CPU seconds of
 the workload process (numa_balancing's hinting faults are charged to it) and
-of the kdamonds.
+of the kdamonds and of kvtierd.
 """
 
 from __future__ import annotations
@@ -170,6 +175,55 @@ class DamosPaddr:
         self.io.write(self.dm.NR_KDAMONDS, 0)
 
 
+class Kvtierd:
+    """kvtierd in a private run directory, as scripts/demo/driver.py runs it."""
+
+    DRAM_TARGET = 96 * MiB
+
+    def __init__(self):
+        from kvtier import topology
+
+        self.dir = Path(tempfile.mkdtemp(prefix="kvtier-cmp-"))
+        self.sock = self.dir / "kvtierd.sock"
+        # Under TCG the emulated CXL device moves ~2.5 MiB/s: leave it out.
+        tiers = [t for t in topology.discover().tiers
+                 if t.kind not in (topology.KIND_SWAP, topology.KIND_CXL)]
+        order = ", ".join(f'{{ name = "{t.name}", nodes = {list(t.nodes)} }}' for t in tiers)
+        conf = self.dir / "kvtierd.toml"
+        conf.write_text(
+            "[daemon]\n"
+            f'socket = "{self.sock}"\n'
+            'state_file = ""\n'
+            "[policy]\n"
+            f'capacity = {{ "0" = {self.DRAM_TARGET} }}\n'
+            f"[topology]\ntiers = [{order}]\n"
+        )
+        self.log = open(self.dir / "kvtierd.log", "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", "-c", str(conf)],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while not self.sock.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("kvtierd did not start:\n" + (self.dir / "kvtierd.log").read_text()[-3000:])
+            time.sleep(0.1)
+
+    def sources(self) -> dict:
+        from kvtier.client import Client
+
+        with Client(str(self.sock)) as c:
+            return c.request("status").get("sources", {})
+
+    def stop(self) -> str:
+        self.proc.send_signal(15)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+        return (self.dir / "kvtierd.log").read_text()[-2000:]
+
+
 def run_mode(mode: str, seconds: float) -> dict:
     from kvchild import KVChild
     from kvtier import native
@@ -178,6 +232,7 @@ def run_mode(mode: str, seconds: float) -> dict:
     write(NUMA_BALANCING, 0)
     child = KVChild(POOL)
     damos = None
+    daemon = client = None
     try:
         addrs = child.addr + np.arange(POOL // page, dtype=np.uint64) * np.uint64(page)
         t0 = time.monotonic()
@@ -193,9 +248,22 @@ def run_mode(mode: str, seconds: float) -> dict:
         stop = threading.Event()
         rounds = [0]
 
+        region = None
+        if mode.startswith("kvtier"):
+            from kvtier.client import Client
+
+            daemon = Kvtierd()
+            client = Client(str(daemon.sock), name="vm_tiering_compare")
+            region = client.register(addr=child.addr, length=POOL, block_size=BLOCK, pid=child.pid,
+                                     name="pool")
+        hints = mode == "kvtier_hints"
+
         def touch():
             while not stop.is_set():
-                child.ask(f"touch {hot['first'] * BLOCK} {HOT_BLOCKS * BLOCK}")
+                first = hot["first"]
+                child.ask(f"touch {first * BLOCK} {HOT_BLOCKS * BLOCK}")
+                if hints:
+                    region.hint(np.arange(first, first + HOT_BLOCKS))
                 rounds[0] += 1
 
         demotion_old = read(DEMOTION_ENABLED) if os.path.exists(DEMOTION_ENABLED) else None
@@ -207,7 +275,7 @@ def run_mode(mode: str, seconds: float) -> dict:
             damos = DamosPaddr()
             damos.start()
         vm0, cpu0 = vmstat(), cpu_seconds(child.pid)
-        kcpu0 = damos.cpu() if damos else 0.0
+        kcpu0 = damos.cpu() if damos else (cpu_seconds(daemon.proc.pid) if daemon else 0.0)
         th = threading.Thread(target=touch, daemon=True)
         series = []
         start = time.monotonic()
@@ -236,6 +304,14 @@ def run_mode(mode: str, seconds: float) -> dict:
         if damos:
             extra = damos.applied()
             extra["kdamond_cpu_s"] = round(damos.cpu() - kcpu0, 2)
+        if daemon:
+            extra["kvtierd_cpu_s"] = round(cpu_seconds(daemon.proc.pid) - kcpu0, 2)
+            extra["sources"] = daemon.sources()
+            # kvtierd's DAMON source starts its kdamond at registration: all
+            # of that kernel thread's CPU time belongs to this run.
+            kd = "/sys/kernel/mm/damon/admin/kdamonds/0/pid"
+            if os.path.exists(kd) and int(read(kd)) > 0:
+                extra["kdamond_cpu_s"] = round(cpu_seconds(int(read(kd))), 2)
         if mode == "numa_tiering":
             write(NUMA_BALANCING, 0)
             if demotion_old is not None:
@@ -258,6 +334,14 @@ def run_mode(mode: str, seconds: float) -> dict:
                 damos.stop()
             except OSError:
                 pass
+        if client:
+            try:
+                region.unregister()
+                client.close()
+            except Exception as e:  # the run's numbers are already taken
+                print(f"{mode}: unregister failed: {e}", flush=True)
+        if daemon:
+            print(f"{mode}: kvtierd log tail:\n{daemon.stop()}", flush=True)
         write(NUMA_BALANCING, 0)
         child.close()
 
@@ -289,8 +373,8 @@ def time_to(series: list[dict], phase: int, frac: float) -> float | None:
 def table(res: dict) -> str:
     lines = [
         "| mode | hot set on DRAM at end of phase 1 / 2 | time to 90% (phase 1 / 2) | migrated MiB "
-        "| promote / hint faults | workload CPU s | kdamond CPU s |",
-        "|---|---|---|---|---|---|---|",
+        "| promote / hint faults | workload CPU s | kdamond CPU s | kvtierd CPU s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for m in res["modes"]:
         s = m["series"]
@@ -303,7 +387,7 @@ def table(res: dict) -> str:
             mig += f" (hot {m['migrate_hot_bytes'] / MiB:.0f} up, cold {m['migrate_cold_bytes'] / MiB:.0f} down)"
         lines.append(
             f"| {m['mode']} | {ends} | {tt} | {mig} | {v['pgpromote_success']} / {v['numa_hint_faults']} "
-            f"| {m['workload_cpu_s']} | {m.get('kdamond_cpu_s', '-')} |"
+            f"| {m['workload_cpu_s']} | {m.get('kdamond_cpu_s', '-')} | {m.get('kvtierd_cpu_s', '-')} |"
         )
     return "\n".join(lines)
 
@@ -331,7 +415,8 @@ def host_main(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=30.0, help="run length per mode")
-    ap.add_argument("--modes", nargs="+", default=["none", "numa_tiering", "damos_paddr"])
+    ap.add_argument("--modes", nargs="+",
+                    default=["none", "numa_tiering", "damos_paddr", "kvtier_hints", "kvtier_damon"])
     ap.add_argument("--json", help="(host) also save the raw results here")
     ap.add_argument("--in-guest", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
