@@ -249,3 +249,24 @@ def test_topology_may_be_a_callable_that_follows_rediscovery(daemon_state):
     assert c.get_sample_value("kvtier_tier_capacity_bytes", {"tier": "swap"}) is not None
     current[0] = topology.discover(str(FIXTURE / "sys"), str(FIXTURE / "proc"), {"swap": {"enabled": False}})
     assert c.get_sample_value("kvtier_tier_capacity_bytes", {"tier": "swap"}) is None
+
+
+def test_dashboard_queries_only_documented_metrics():
+    import json
+
+    dash = json.loads((REPO / "dashboards" / "kvtier-grafana.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    assert exprs
+    known = set()
+    for name, (typ, _, _) in metrics.METRICS.items():
+        base = name + ("_total" if typ == "counter" else "")
+        known.add(base)
+        if typ in ("histogram", "gaugehistogram"):
+            known |= {name + s for s in ("_bucket", "_sum", "_count", "_gsum", "_gcount")}
+    known |= {"process_cpu_seconds_total", "process_resident_memory_bytes"}
+    used = {m for e in exprs for m in re.findall(r"\b((?:kvtier|process)_[a-z_]+)\b", e)}
+    assert used <= known, used - known
+    # Every panel's grid position fits Grafana's 24 columns.
+    for p in dash["panels"]:
+        g = p["gridPos"]
+        assert 0 <= g["x"] and g["x"] + g["w"] <= 24, p["title"]
