@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from kvtier import native
+from kvtier import protocol as P
 from kvtier.client import Client
 from kvtier.procfs import PM_SWAP, Pagemap
 from vmhelpers import CXL_NODE, DRAM_NODE, FAR_NODE, MiB, numa_maps_nodes
@@ -75,8 +76,14 @@ def main_pid() -> int:
 
 
 def ctl(*args: str) -> dict:
-    """kvtierctl --json, as an operator runs it."""
+    """kvtierctl --json, as an operator runs it (a Python start: seconds under TCG)."""
     return json.loads(sh("kvtierctl", "--json", *args).stdout)
+
+
+def api(op: str, **fields) -> dict:
+    """One request over a fresh connection (what kvtierctl sends, in-process)."""
+    with Client(timeout=60, reconnect_timeout=0) as c:
+        return c.request(op, **fields)
 
 
 def journal(*args: str) -> list[dict]:
@@ -114,8 +121,8 @@ def kv_pool():
     arr = np.frombuffer(buf, dtype=np.uint8)
     arr[:] = np.random.default_rng(7).integers(0, 256, size, dtype=np.uint8)
     yield arr
-    del arr
-    buf.close()
+    # No buf.close(): client Region handles still export the buffer; the
+    # mapping goes with the last reference.
 
 
 def test_systemctl_start_reaches_active_through_ready_and_shows_status(installed):
@@ -134,7 +141,7 @@ def test_systemctl_start_reaches_active_through_ready_and_shows_status(installed
     status = sh("systemctl", "status", "--no-pager", "--lines=0", SERVICE).stdout
     assert "active (running)" in status
     assert re.search(r"Status: \"" + STATUS_RE.pattern, status), status
-    assert ctl("status")["pid"] == pid
+    assert ctl("status")["pid"] == pid  # the README's first command after install
 
 
 def test_journal_shows_structured_log_lines(running):
@@ -171,13 +178,18 @@ def test_hardened_unit_migrates_to_far_and_cxl_and_pages_out_to_nvme_swap(runnin
     block = 1 * MiB
     addr = kv_pool.ctypes.data
     before = kv_pool.sum(dtype=np.uint64)
-    tiers = ctl("tiers")["tiers"]
+    tiers = api("tiers")["tiers"]
     far, cxl, swap = (_tier_index(tiers, node=FAR_NODE), _tier_index(tiers, node=CXL_NODE),
                       _tier_index(tiers, kind="swap"))
     with Client(timeout=60) as kv:
         region = kv.register(kv_pool, block_size=block, name="systemd-vm")
-        for blk, tier in ((0, far), (1, cxl), (2, swap)):
-            ctl("migrate", str(region.id), str(tier), "--blocks", str(blk), "--pin")
+        # kvtierctl migrate --pin, as an operator would (one Python start),
+        # then the same two ops from the client for the other blocks.
+        ctl("migrate", str(region.id), str(far), "--blocks", "0", "--pin")
+        for blk, tier in ((1, cxl), (2, swap)):
+            blocks = P.pack_blocks(np.array([blk]))
+            kv.request("migrate", region=region.id, tier=tier, blocks=blocks)
+            kv.request("pin", region=region.id, tier=tier, blocks=blocks)
         pages = np.uint64(addr) + np.arange(4 * block // PAGE, dtype=np.uint64) * np.uint64(PAGE)
         per_block = block // PAGE
 
@@ -212,20 +224,20 @@ def test_systemctl_reload_applies_a_changed_config(running):
     pid = running
     original = CONFIG.read_text()
     assert "#dry_run = false" in original
-    reloads = ctl("stats")["config_reloads_total"]
-    assert ctl("status")["engine"]["dry_run"] is False
+    reloads = api("stats")["config_reloads_total"]
+    assert api("status")["engine"]["dry_run"] is False
     try:
         CONFIG.write_text(original.replace("#dry_run = false", "dry_run = true", 1))
         sh("systemctl", "reload", SERVICE)
-        wait_for(lambda: ctl("stats")["config_reloads_total"] == reloads + 1, "SIGHUP to be handled")
-        assert ctl("status")["engine"]["dry_run"] is True
+        wait_for(lambda: api("stats")["config_reloads_total"] == reloads + 1, "SIGHUP to be handled")
+        assert api("status")["engine"]["dry_run"] is True
         assert main_pid() == pid  # reloaded in place, not restarted
         wait_for(lambda: show(SERVICE, "SubState")["SubState"] == "running", "the end of RELOADING=1")
     finally:
         CONFIG.write_text(original)
         sh("systemctl", "reload", SERVICE)
-    wait_for(lambda: ctl("stats")["config_reloads_total"] == reloads + 2, "the second reload")
-    assert ctl("status")["engine"]["dry_run"] is False
+    wait_for(lambda: api("stats")["config_reloads_total"] == reloads + 2, "the second reload")
+    assert api("status")["engine"]["dry_run"] is False
 
 
 def test_restart_keeps_registrations_and_the_client_only_reconnects(running, kv_pool):
@@ -245,7 +257,7 @@ def test_restart_keeps_registrations_and_the_client_only_reconnects(running, kv_
         assert kv.reconnects == 1
         assert kv.status()["pid"] == new_pid
         assert kv.stats()["regions_adopted_total"] == 2
-        mine = [r for r in ctl("regions")["regions"] if r["pid"] == os.getpid()]
+        mine = [r for r in api("regions")["regions"] if r["pid"] == os.getpid()]
         assert sorted(r["id"] for r in mine) == ids
         for r in regions:
             r.unregister()
@@ -282,4 +294,4 @@ def test_watchdog_restarts_a_frozen_daemon(running):
     assert not Path(f"/proc/{pid}").exists()
     msgs = [e.get("MESSAGE", "") for e in journal("-u", SERVICE, "_PID=1")]
     assert any("Watchdog timeout" in m for m in msgs), msgs[-10:]
-    assert ctl("status")["pid"] == main_pid()
+    assert api("status")["pid"] == main_pid()
