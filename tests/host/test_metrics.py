@@ -202,3 +202,39 @@ def test_metrics_follow_registration_hints_and_migrations(kvtierd):
 
 def test_exporter_is_loopback_only_by_default(kvtierd):
     assert kvtierd.url.startswith("http://127.0.0.1:")
+
+
+def test_top_redraws_in_place_and_exits_cleanly_on_ctrl_c(kvtierd):
+    """kvtierctl top on a terminal: alternate screen, in-place redraws, and
+    Ctrl-C restores the screen and exits 0."""
+    import pty
+    import select
+
+    pid, fd = pty.fork()
+    if pid == 0:  # child: the real command on the pty
+        os.execv(sys.executable, [sys.executable, "-m", "kvtier.ctl", "top", "--socket", kvtierd.socket,
+                                  "--interval", "0.2"])
+    out = b""
+
+    def read_some():
+        nonlocal out
+        r, _, _ = select.select([fd], [], [], 0.2)
+        if r:
+            try:
+                out += os.read(fd, 65536)
+            except OSError:  # EIO: the child closed the pty
+                return True
+        return False
+
+    try:
+        wait_for(lambda: read_some() or out.count(b"\x1b[H") >= 3, "three redraws")
+        assert out.startswith(b"\x1b[?1049h")  # alternate screen first
+        assert b"TIER" in out and b"dram" in out
+        os.kill(pid, signal.SIGINT)
+        wait_for(lambda: read_some(), "the pty to close")
+        _, status = os.waitpid(pid, 0)
+    finally:
+        os.close(fd)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    assert out.rstrip().endswith(b"\x1b[?25h\x1b[?1049l")  # cursor back, main screen restored
+    assert b"Traceback" not in out
