@@ -398,6 +398,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{cfg.source}: ok")
         return 0
     logs.setup(cfg.daemon.log_level)
+    # The loop thread answers clients while the worker thread migrates; a
+    # shorter GIL switch interval bounds how long a request waits for the
+    # GIL behind numpy work on the worker (default 5 ms).
+    sys.setswitchinterval(0.0005)
     try:
         daemon = Daemon(cfg, args.config, inherited_fds=listen_fds())
         return asyncio.run(daemon.run())

@@ -93,6 +93,9 @@ class Engine:
         self.stats = stats
         self.residency_interval = residency_interval
         self.clock = clock
+        # The worker keeps the daemon's scheduling priority on purpose: it
+        # holds the GIL while it runs Python, so a deprioritised worker would
+        # make the loop thread wait on it (priority inversion through the GIL).
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-migrate")
         self.job: Job | None = None
         self.future: Future | None = None
@@ -399,9 +402,18 @@ class Engine:
         if job.measured_tier is not None:
             ms = np.flatnonzero(job.measure & live)
             r = rows[ms]
-            self.table.tier[r] = job.measured_tier[ms]
-            flags = self.table.flags
+            measured = job.measured_tier[ms]
             pres = job.present[ms]
+            swap = self.topology.swap_tier
+            if swap is not None:
+                # Swapped-out shared memory (MAP_SHARED, memfd, shm) has no swap
+                # PTE, so pagemap shows it as never touched; a block we know is
+                # in swap stays there until a page of it shows up again.
+                keep = ~pres & (self.table.tier[r] == swap.index)
+                measured = np.where(keep, np.int8(swap.index), measured)
+                pres = pres | keep
+            self.table.tier[r] = measured
+            flags = self.table.flags
             flags[r[pres]] &= np.uint8(~F_NOT_PRESENT & 0xFF)
             flags[r[~pres]] |= np.uint8(F_NOT_PRESENT)
 

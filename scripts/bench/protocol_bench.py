@@ -58,13 +58,13 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} CPUs, Linux {platform.release()}, Python {platform.python_version()}"
 
 
-def start_daemon(workdir: str, cpu: int | None, rt: bool = False) -> subprocess.Popen:
+def start_daemon(workdir: str, cpu: int | None, rt: bool = False, tick: float = 3600.0) -> subprocess.Popen:
     sock = os.path.join(workdir, "kvtierd.sock")
     cfg = os.path.join(workdir, "kvtierd.toml")
     with open(cfg, "w") as f:
         f.write(f'[daemon]\nsocket = "{sock}"\nstate_file = "{workdir}/state.json"\n'
                 # No migration work competes with the protocol path in this benchmark.
-                "tick_interval = 3600.0\n"
+                f"tick_interval = {tick}\n"
                 "[limits]\nrequests_per_second = 1e9\nrequest_burst = 1000000000\n"
                 "max_blocks_per_region = 4194304\n[metrics]\nenabled = false\n")
     cmd = [sys.executable, "-m", "kvtier.daemon", "-c", cfg]
@@ -101,6 +101,44 @@ def bench_register(c: Client, n: int) -> dict:
             "unregister_p50_us": us(unreg, 50), "unregister_p99_us": us(unreg, 99)}
 
 
+def bench_register_while_migrating(c: Client, mib: int, rounds: int = 4, timeout: float = 300.0) -> dict | None:
+    """Register round trips, back to back, while the worker thread moves a
+    ``mib`` MiB region DRAM -> swap -> DRAM ``rounds`` times: is the loop
+    thread still responsive while migrations run?"""
+    tiers = c.request("tiers")["tiers"]
+    swap = next((t["index"] for t in tiers if t["kind"] == "swap"), None)
+    if swap is None:
+        return None
+    # Private anonymous memory, like most KV caches (swapped shmem is invisible in pagemap).
+    ballast = mmap.mmap(-1, mib << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    ballast.write(b"\2" * len(ballast))
+    buf = mmap.mmap(-1, 64 << 20)
+    buf.write(b"\1" * len(buf))
+    st0 = c.stats()
+    lat = []
+    moves = 0
+    deadline = time.monotonic() + timeout
+    with c.register(ballast, block_size=2 << 20, name="ballast") as b:
+        target = swap
+        c.request("migrate", region=b.id, tier=target)
+        while moves < 2 * rounds and time.monotonic() < deadline:
+            if len(lat) % 20 == 0 and (b.query() == target).all():  # arrived: send it back
+                moves += 1
+                target = 0 if target == swap else swap
+                c.request("migrate", region=b.id, tier=target)
+            t0 = time.perf_counter()
+            r = c.register(buf, block_size=2 << 20)
+            lat.append(time.perf_counter() - t0)
+            r.unregister()
+    st1 = c.stats()
+    moved = sum(st1["migrated_bytes"].values()) - sum(st0["migrated_bytes"].values())
+    busy = st1["migration_seconds_sum"] - st0["migration_seconds_sum"]
+    a = np.array(lat)
+    return {"n": len(lat), "ballast_mib": mib, "moves": moves, "register_p50_us": float(np.percentile(a, 50) * 1e6),
+            "register_p99_us": float(np.percentile(a, 99) * 1e6), "register_max_us": float(a.max() * 1e6),
+            "migrated_mib": moved / 2**20, "worker_busy_s": busy}
+
+
 def bench_hints(c: Client, daemon_pid: int, batch: int, total: int, nblocks: int = 1 << 20) -> dict:
     # 1M blocks of 4 KiB over a 4 GiB reservation; untouched pages cost nothing.
     buf = mmap.mmap(-1, nblocks * 4096)
@@ -132,6 +170,8 @@ def main() -> int:
     ap.add_argument("--hints", type=int, default=50_000_000, help="block hints per batch size")
     ap.add_argument("--batches", default="256,4096,65536")
     ap.add_argument("--json", help="write results here too")
+    ap.add_argument("--migrating", type=int, default=0, metavar="MIB",
+                    help="also time registers while MIB MiB move DRAM<->swap (needs a swap device)")
     ap.add_argument("--no-pin", action="store_true", help="do not pin daemon and client to separate CPUs")
     ap.add_argument("--rt", action="store_true",
                     help="run daemon and client SCHED_FIFO 50 (root): measures kvtier, not noisy neighbours")
@@ -154,6 +194,16 @@ def main() -> int:
         finally:
             d.terminate()
             d.wait(20)
+        if a.migrating:
+            # A second daemon that ticks (manual moves run with the tick).
+            d = start_daemon(wd, 0 if pin else None, a.rt, tick=0.05)
+            try:
+                c = Client(os.path.join(wd, "kvtierd.sock"), hint_interval=1e9)
+                res["register_while_migrating"] = bench_register_while_migrating(c, a.migrating)
+                c.close()
+            finally:
+                d.terminate()
+                d.wait(20)
     r = res["register"]
     print(f"machine: {res['machine']}  (daemon on CPU 0, client on CPU 1: {pin}; SCHED_FIFO: {a.rt}); "
           f"load average before: {res['loadavg'][0]:.2f}")
@@ -165,6 +215,13 @@ def main() -> int:
     for h in res["hints"]:
         print(f"| {h['batch']} | {h['block_hints']:,} | {h['wall_s']:.2f} | {h['hints_per_s_wall'] / 1e6:.1f} M | "
               f"{h['daemon_cpu_s']:.2f} | {(h['hints_per_daemon_cpu_s'] or 0) / 1e6:.1f} M |")
+    m = res.get("register_while_migrating", "skip")
+    if m is None:
+        print("register while migrating: skipped (no swap device: swapon one first)")
+    elif m != "skip":
+        print(f"register round trip ({m['n']} of them) while the worker moved {m['migrated_mib']:.0f} MiB DRAM<->swap "
+              f"(worker busy {m['worker_busy_s']:.1f} s): p50 {m['register_p50_us']:.0f} us, "
+              f"p99 {m['register_p99_us']:.0f} us, max {m['register_max_us']:.0f} us")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=2)

@@ -546,10 +546,18 @@ def test_procmap_query_agrees_with_maps_text(tmp_path):
         fd = os.open(f"/proc/{pid}/maps", os.O_RDONLY)
         name = _ct.create_string_buffer(procmap.NAME_MAX)
         try:
+            mine = {buffer_address(b)[0] for b in (anon, shared, memfd, shm, filemap)}
+            same = 0
             for m in maps:
                 if m.path == "[vsyscall]":  # not a VMA: PROCMAP_QUERY does not report it
                     continue
-                assert procmap._vma(fd, m.start, name) == m
+                q = procmap._vma(fd, m.start, name)
+                if m.start in mine:
+                    assert q == m
+                # Other mappings of this process may come and go meanwhile
+                # (the allocator, garbage-collected buffers of earlier tests).
+                same += q == m
+            assert same >= len(maps) - 8
         finally:
             os.close(fd)
         for buf in (anon, shared, memfd, shm):
