@@ -129,8 +129,14 @@ class Region:
         b = self._blocks[0] if len(self._blocks) == 1 else np.concatenate(self._blocks)
         c = self._counts[0] if len(self._counts) == 1 else np.concatenate(self._counts)
         self._blocks, self._counts, self._pending = [], [], 0
-        counts = None if bool((c == 1).all()) else c.tobytes()  # absent = 1 each
-        self.client._send_async(P.Hint(region=self.id, blocks=b.tobytes(), counts=counts))
+        # Stay under the daemon's frame limit: 8 bytes per entry (index +
+        # count) plus a little for the map around them.
+        limit = self.client.server.get("max_message_bytes", P.DEFAULT_MAX_MESSAGE)
+        step = max(1, (limit - 256) // 8)
+        for i in range(0, b.size, step):
+            cb, cc = b[i : i + step], c[i : i + step]
+            counts = None if bool((cc == 1).all()) else cc.tobytes()  # absent = 1 each
+            self.client._send_async(P.Hint(region=self.id, blocks=cb.tobytes(), counts=counts))
 
     def phase(self, phase: str, blocks: Iterable[int] | np.ndarray | None = None) -> int:
         """"prefill_done" (blocks now read-only: demotion candidates), "active"

@@ -341,6 +341,26 @@ def test_unprivileged_client_cannot_use_others_regions(daemon):
         assert len(daemon.regions()) == 1
 
 
+def test_client_splits_hint_batches_above_the_frame_limit(workdir):
+    import mmap as _mmap
+
+    import numpy as np
+
+    d = DaemonProc(workdir, extra_config="[limits]\nmax_message_bytes = 65536\n").start()
+    try:
+        with d.client(hint_batch=20000) as h:  # 160 KB of indices + counts > one 64 KiB frame
+            buf = _mmap.mmap(-1, 1 << 20)
+            r = h.register(buf, block_size=1 << 12)
+            r.hint(np.arange(20000) % 256, np.full(20000, 2))
+            assert h.flush() == []
+            st = h.stats()
+            assert st["block_hints_total"] == 20000 and st["requests"]["hint"] == 3
+            assert st["errors"] == {}
+            r.unregister()
+    finally:
+        assert d.stop() == 0
+
+
 def test_limits_give_clear_errors(workdir):
     d = DaemonProc(workdir, extra_config="""
         [limits]
