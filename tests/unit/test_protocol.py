@@ -157,3 +157,32 @@ def test_response_decodes():
 
 def test_error_codes_are_unique():
     assert len(set(P.ERROR_CODES)) == len(P.ERROR_CODES)
+
+
+def test_kvtierctl_block_lists_pack_to_the_wire_format():
+    import argparse
+
+    from kvtier.ctl import parse_blocks
+
+    assert P.unpack(parse_blocks("0-3,7, 9-9"), P.BLOCKS_DTYPE, "b").tolist() == [0, 1, 2, 3, 7, 9]
+    assert parse_blocks(None) is None and parse_blocks("") == b""
+    for bad in ("3-1", "x", "-2", "1-2-3"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_blocks(bad)
+
+
+def test_client_finds_buffer_addresses_without_holding_exports():
+    import mmap
+
+    from kvtier.client import buffer_address
+
+    arr = np.arange(1000, dtype=np.uint32)
+    assert buffer_address(arr) == (arr.ctypes.data, 4000)
+    ro = np.frombuffer(bytes(64), dtype=np.uint8)
+    assert buffer_address(ro) == (ro.ctypes.data, 64)
+    m = mmap.mmap(-1, 8192)
+    addr, n = buffer_address(m)
+    assert n == 8192 and addr % 4096 == 0
+    m.close()  # would raise BufferError if an export were still held
+    with pytest.raises(ValueError, match="C-contiguous"):
+        buffer_address(arr.reshape(10, 100)[:, ::2])
