@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from kvtier import policy as pol
-from kvtier.blocks import F_KEEP_DRAM, F_NEVER_SWAP, F_NOT_PRESENT, TIER_UNKNOWN, BlockTable
+from kvtier.blocks import FIELDS, F_KEEP_DRAM, F_NEVER_SWAP, F_NOT_PRESENT, TIER_UNKNOWN, BlockTable
 from kvtier.errors import InvalidArgument, KvtierError
 from kvtier.hotness import Temperature
 from kvtier.registry import Registry
@@ -233,8 +233,12 @@ class Engine:
             measure = t.tier == TIER_UNKNOWN
             if full:
                 self.last_full_measure = now
-        snap = t.snapshot()
-        plan, self.pstate = pol.plan(snap, self.tier_states(), self.policy_cfg, self.pstate, now)
+        # The policy is pure and runs right here, so it may read the live
+        # arrays; only what the worker thread reads later is copied (a region
+        # removed meanwhile shifts the live rows in place).
+        live = {name: getattr(t, name) for name in FIELDS}
+        plan, self.pstate = pol.plan(live, self.tier_states(), self.policy_cfg, self.pstate, now)
+        snap = {name: live[name].copy() for name in ("region", "index", "pid", "addr", "nbytes", "tier")}
         move = np.zeros(n, dtype=bool)
         src = snap["tier"].copy()
         dst = np.full(n, TIER_UNKNOWN, dtype=np.int8)
