@@ -435,21 +435,32 @@ def _histogram(name: str, h: Histogram | None, *, fallback_sum: float = 0.0,
 
 
 def _group_sum(keys: np.ndarray, values: np.ndarray) -> tuple[dict[int, float], dict[int, int]]:
-    """Sum and count of ``values`` per distinct key (one np.unique, no per-block loop)."""
+    """Sum and count of ``values`` per distinct key (tier numbers: small ints
+    from TIER_MIXED up), by one bincount each: no sort, no per-block loop."""
     if keys.size == 0:
         return {}, {}
-    uniq, inv, counts = np.unique(keys.astype(np.int64), return_inverse=True, return_counts=True)
-    sums = np.bincount(inv, weights=values.astype(np.float64), minlength=uniq.size)
-    return ({int(k): _num(v) for k, v in zip(uniq, sums)}, {int(k): int(c) for k, c in zip(uniq, counts)})
+    k = keys.astype(np.int64) - TIER_MIXED
+    sums = np.bincount(k, weights=values.astype(np.float64))
+    counts = np.bincount(k)
+    present = np.flatnonzero(counts)
+    return ({int(i) + TIER_MIXED: _num(sums[i]) for i in present},
+            {int(i) + TIER_MIXED: int(counts[i]) for i in present})
 
 
-def _pair_sum(a: np.ndarray, b: np.ndarray, values: np.ndarray) -> dict[tuple[int, int], float]:
-    if a.size == 0:
+def _pair_sum(owner: np.ndarray, tier: np.ndarray, values: np.ndarray) -> dict[tuple[int, int], float]:
+    """Sum of ``values`` per (owner, tier): owners (region or tenant ids) are
+    renumbered densely by one 1-D unique, then one bincount over
+    owner * ntiers + tier."""
+    if owner.size == 0:
         return {}
-    pairs = np.stack([a.astype(np.int64), b.astype(np.int64)], axis=1)
-    uniq, inv = np.unique(pairs, axis=0, return_inverse=True)
-    sums = np.bincount(inv.ravel(), weights=values.astype(np.float64), minlength=len(uniq))
-    return {(int(x), int(y)): _num(v) for (x, y), v in zip(uniq, sums)}
+    uniq, inv = np.unique(owner, return_inverse=True)
+    t = tier.astype(np.int64) - TIER_MIXED
+    span = int(t.max()) + 1
+    sums = np.bincount(inv.ravel().astype(np.int64) * span + t, weights=values.astype(np.float64),
+                       minlength=uniq.size * span)
+    counts = np.bincount(inv.ravel().astype(np.int64) * span + t, minlength=uniq.size * span)
+    present = np.flatnonzero(counts)
+    return {(int(uniq[i // span]), int(i % span) + TIER_MIXED): _num(sums[i]) for i in present}
 
 
 def _num(v: float) -> float:
