@@ -309,6 +309,7 @@ class Registry:
         t.flags[rows] |= np.uint8(F_MANUAL_PIN)
         # pin_tier = -1 means "where it is now" to the policy.
         t.pin_tier[rows] = -1 if tier is None else tier
+        self.on_change()  # pins persist across daemon restarts
         return int(rows.size)
 
     def unpin(self, region_id: int, blocks: np.ndarray | None) -> int:
@@ -316,6 +317,7 @@ class Registry:
         t = self.table
         t.flags[rows] &= np.uint8(~F_MANUAL_PIN & 0xFF)
         t.pin_tier[rows] = -1
+        self.on_change()
         return int(rows.size)
 
     # -- persistence -----------------------------------------------------
@@ -328,6 +330,10 @@ class Registry:
         for r in self.regions.values():
             d = {k: getattr(r, k) for k in self.STATE_KEYS}
             d["constraints"] = list(r.constraints)
+            pinned = np.flatnonzero(self.table.region_view(r.id, "flags") & F_MANUAL_PIN)
+            if pinned.size:
+                d["pins"] = {"blocks": pinned.tolist(),
+                             "tiers": self.table.region_view(r.id, "pin_tier")[pinned].tolist()}
             out.append(d)
         return out
 
@@ -349,12 +355,28 @@ class Registry:
                 )
                 reg.registered_at = float(e.get("registered_at", reg.registered_at))
                 adopted += 1
+                self._restore_pins(reg, e.get("pins"))
             except (KvtierError, OSError, KeyError, TypeError, ValueError) as err:
                 dropped += 1
                 log.info("not re-adopting region %s of pid %s: %s", e.get("id"), e.get("pid"), err)
         self.stats.regions_adopted_total += adopted
         self.stats.regions_stale_total += dropped
         return adopted, dropped
+
+    def _restore_pins(self, reg: Region, pins) -> None:
+        if not isinstance(pins, dict):
+            return
+        try:
+            blocks = np.asarray(pins.get("blocks", []), dtype=np.int64)
+            tiers = np.asarray(pins.get("tiers", []), dtype=np.int64)
+        except (TypeError, ValueError):
+            return
+        if blocks.shape != tiers.shape or blocks.ndim != 1:
+            return
+        ok = (blocks >= 0) & (blocks < reg.nblocks) & (tiers >= -1) & (tiers < 64)
+        for tier in np.unique(tiers[ok]):
+            sel = blocks[ok & (tiers == tier)]
+            self.pin(reg.id, sel.astype(np.uint32), None if tier < 0 else int(tier))
 
     def check_alive(self) -> int:
         """Drop regions of processes that are gone or were replaced: a

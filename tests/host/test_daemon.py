@@ -260,6 +260,8 @@ def test_restart_readopts_live_registrations(daemon):
         ra = alive("register", name="alive")
         rd = dying("register", name="dying")
         alive("hint", blocks=[0])
+        with daemon.client() as c:
+            c.request("pin", region=ra["region"], tier=0, blocks=P.pack_blocks([2, 3]))
         assert daemon.stop() == 0
         with open(daemon.state) as f:
             saved = json.load(f)
@@ -268,6 +270,10 @@ def test_restart_readopts_live_registrations(daemon):
         daemon.start()
         regs = daemon.regions()
         assert [(x["id"], x["pid"], x["name"]) for x in regs] == [(ra["region"], alive.pid, "alive")]
+        # Operator pins survive the restart too.
+        with daemon.client() as c:
+            flags = P.unpack(c.request("blocks", region=ra["region"])["flags"], P.FLAGS_DTYPE, "f")
+            assert [i for i, f in enumerate(flags) if f & 16] == [2, 3]
         # The same Client object reconnects transparently and its handle is still valid.
         assert alive("hint", blocks=[3])["errors"] == []
         assert alive("reconnects")["reconnects"] == 1
