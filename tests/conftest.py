@@ -221,6 +221,11 @@ def pytest_collection_modifyitems(session, config, items):
         proxy = GuestProxy.from_parent(item.parent, name=item.name, mode=mode)
         proxy.own_markers = list(item.own_markers)
         proxy.keywords.update(item.keywords)
+        if config.pluginmanager.hasplugin("timeout"):
+            # The first proxy waits for the whole guest run, which run.py
+            # bounds itself (KVTIER_VM_TIMEOUT); a per-test timeout from the
+            # command line must not cut it short.
+            proxy.add_marker(pytest.mark.timeout(0))
         items[i] = proxy
         runs.setdefault(mode, GuestRun(mode, [])).nodeids.append(item.nodeid)
     config.stash[_RUNS_KEY] = runs
