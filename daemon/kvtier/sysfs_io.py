@@ -103,14 +103,25 @@ class SysfsIO:
     # -- reads --------------------------------------------------------------
 
     def read(self, rel: str) -> str:
+        """Contents of ``rel``, stripped. DAMON's show functions take the same
+        lock as its stores (mutex_trylock), so reads retry EBUSY too."""
         path = self.path(rel)
-        try:
-            with open(path) as f:
-                return f.read().strip()
-        except FileNotFoundError:
-            raise FeatureUnavailable(errno.ENOENT, f"read {path}", "no such sysfs file") from None
-        except OSError as e:
-            raise os_error(e.errno, f"read {path}") from None
+        for attempt in range(len(self._delays) + 1):
+            try:
+                return self._raw_read(path).strip()
+            except FileNotFoundError:
+                raise FeatureUnavailable(errno.ENOENT, f"read {path}", "no such sysfs file") from None
+            except OSError as e:
+                if e.errno == errno.EBUSY and attempt < len(self._delays):
+                    self.busy_retries += 1
+                    self._sleep(self._delays[attempt])
+                    continue
+                raise os_error(e.errno, f"read {path}") from None
+        raise AssertionError("unreachable")
+
+    def _raw_read(self, path: str) -> str:
+        with open(path) as f:
+            return f.read()
 
     def read_int(self, rel: str) -> int:
         return int(self.read(rel))

@@ -309,9 +309,12 @@ def run_mode(mode: str, seconds: float) -> dict:
             extra["sources"] = daemon.sources()
             # kvtierd's DAMON source starts its kdamond at registration: all
             # of that kernel thread's CPU time belongs to this run.
-            kd = "/sys/kernel/mm/damon/admin/kdamonds/0/pid"
-            if os.path.exists(kd) and int(read(kd)) > 0:
-                extra["kdamond_cpu_s"] = round(cpu_seconds(int(read(kd))), 2)
+            from kvtier.sysfs_io import SysfsIO
+
+            io = SysfsIO("/sys")  # retries EBUSY: kvtierd's DAMON commands hold the sysfs lock
+            kd = "kernel/mm/damon/admin/kdamonds/0/pid"
+            if io.exists(kd) and io.read_int(kd) > 0:
+                extra["kdamond_cpu_s"] = round(cpu_seconds(io.read_int(kd)), 2)
         if mode == "numa_tiering":
             write(NUMA_BALANCING, 0)
             if demotion_old is not None:

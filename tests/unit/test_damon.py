@@ -277,7 +277,7 @@ def test_params_validated():
 
 class BusyKernel(SysfsIO):
     """A sysfs whose files answer EBUSY a given number of times first, as
-    DAMON's do right after state=on."""
+    DAMON's do right after state=on or while another writer holds its lock."""
 
     def __init__(self, root, busy, **kw):
         super().__init__(root, **kw)
@@ -290,6 +290,12 @@ class BusyKernel(SysfsIO):
             raise OSError(errno.EBUSY, "busy")
         self.done.append((path, text))
 
+    def _raw_read(self, path):
+        if self.busy:
+            self.busy -= 1
+            raise OSError(errno.EBUSY, "busy")
+        return super()._raw_read(path)
+
 
 def test_writer_retries_ebusy_with_backoff(tmp_path):
     slept = []
@@ -298,6 +304,13 @@ def test_writer_retries_ebusy_with_backoff(tmp_path):
     assert io.done == [(str(tmp_path / dm.STATE), "update_schemes_tried_regions")]
     assert slept == busy_delays()[:3] and slept == [0.005, 0.01, 0.02]
     assert io.busy_retries == 3
+
+
+def test_reads_retry_ebusy_too(tmp_path):
+    slept = []
+    io = BusyKernel(damon_tree(tmp_path), busy=2, sleep=slept.append)
+    assert io.read(dm.NR_KDAMONDS) == "0"
+    assert slept == [0.005, 0.01]
 
 
 def test_writer_gives_up_after_bounded_tries(tmp_path):
