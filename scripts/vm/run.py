@@ -38,6 +38,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -322,6 +323,12 @@ def _supervise(argv: list[str], log: Path, timeout: float, echo: bool, out) -> G
             timed_out = True
             os.killpg(proc.pid, 9)
             proc.wait()
+        except BaseException:
+            # Interrupted (Ctrl-C, SIGTERM from a CI runner): QEMU runs in its
+            # own session, so nothing else would stop a guest that hangs.
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            raise
         reader.join(timeout=5)
         logf.write(f"\n# qemu exit {proc.returncode}, {time.monotonic() - t0:.1f}s{' (timeout)' if timed_out else ''}\n")
 
@@ -340,6 +347,8 @@ def _supervise(argv: list[str], log: Path, timeout: float, echo: bool, out) -> G
 
 
 def main(argv: list[str] | None = None) -> int:
+    # SIGTERM unwinds like Ctrl-C, so the guest is killed on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--share", type=Path, help="read-write share (default: a new temp dir, kept)")
     ap.add_argument("--log", type=Path, help="guest console log (default: SHARE/console.log)")
