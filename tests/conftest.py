@@ -90,6 +90,8 @@ class GuestRun:
     wall_seconds: float = 0.0
 
     def boot(self, rootdir: Path) -> None:
+        # Whatever happens below, this mode never boots a second time.
+        self.status, self.reason = "crash", "the harness failed before the guest reported"
         self.share = Path(tempfile.mkdtemp(prefix=f"kvtier-{self.mode}-"))
         timeout = float(os.environ.get("KVTIER_VM_TIMEOUT", DEFAULT_TIMEOUT))
         guest_cmd = [
@@ -105,10 +107,16 @@ class GuestRun:
             "--timeout", str(timeout), "--cwd", str(rootdir), "--", *guest_cmd,
         ]
         t0 = time.monotonic()
-        with open(self.share / "run.out", "w") as out:
-            # Outer timeout only guards against run.py itself hanging.
-            proc = subprocess.run(host_cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout + 60)
-        self.wall_seconds = time.monotonic() - t0
+        try:
+            with open(self.share / "run.out", "w") as out:
+                # Outer timeout only guards against run.py itself hanging.
+                proc = subprocess.run(host_cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout + 60)
+        except subprocess.TimeoutExpired:
+            self.status, self.reason = "timeout", f"run.py did not return within {timeout + 60:.0f}s"
+            self.tail = _tail(self.share / "run.out")
+            return
+        finally:
+            self.wall_seconds = time.monotonic() - t0
         try:
             res = json.loads((self.share / "result.json").read_text())
         except (OSError, ValueError) as e:
