@@ -42,9 +42,9 @@ NODES = "/sys/devices/system/node"
 
 def demo_config(sock: Path, state: Path, budgets: dict[int, int], order: list | None = None) -> str:
     """kvtierd's default config plus what the demo needs: a capacity target
-    per memory tier (so the 256 MiB pool spills over three tiers and swap),
-    a private socket and state file, and (``order``: [(name, nodes)], the
-    guest only) the memory tiers in an explicit order."""
+    per memory tier (so the 256 MiB pool spills over the tiers and swap),
+    a private socket and state file, and (``order``: [(name, nodes, kind)],
+    see ``plan_tiers``) the memory tiers set explicitly."""
     caps = ", ".join(f'"{t}" = {b}' for t, b in sorted(budgets.items()))
     text = (
         "# kvtier demo: defaults, plus tier capacity targets sized to the demo's KV pool\n"
@@ -55,9 +55,8 @@ def demo_config(sock: Path, state: Path, budgets: dict[int, int], order: list | 
         f"capacity = {{ {caps} }}\n"
     )
     if order:
-        tiers = ", ".join(f'{{ name = "{n}", nodes = {list(nodes)} }}' for n, nodes in order)
-        text += ("# QEMU emulates the CXL device's memory access by access (TCG, ~2.5 MiB/s\n"
-                 "# for move_pages into it): the guest demo orders the tiers explicitly.\n"
+        tiers = ", ".join(f'{{ name = "{n}", nodes = {list(nodes)}, kind = "{kind}" }}' for n, nodes, kind in order)
+        text += ("# Memory tiers set for the demo (scripts/demo/driver.py plan_tiers says why).\n"
                  f"[topology]\ntiers = [{tiers}]\n")
     return text
 
@@ -80,6 +79,48 @@ def memory_nodes() -> tuple[list[int], list[int]]:
     mem = expand(read("has_memory") or read("online"))
     cpu = set(expand(read("has_cpu")))
     return [n for n in mem if n in cpu], [n for n in mem if n not in cpu]
+
+
+def cpulist(node: int) -> set[int]:
+    text = Path(NODES, f"node{node}", "cpulist").read_text().strip()
+    out: set[int] = set()
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def plan_tiers(a, cpu_nodes: list[int], slow_nodes: list[int]):
+    """The memory tiers the demo runs with: (tiers [(name, nodes, kind)],
+    whether they override discovery, CPUs to pin the workload to, a note).
+
+    * Normally kvtierd's own discovery (the same call it makes at start).
+    * In the QEMU guest, the emulated CXL node is left out unless
+      --with-cxl: under TCG every access to it is a trip through QEMU's MMIO
+      dispatch, so moving 32 MiB into it takes ~13 s against 0.2 s for a
+      RAM-backed node, and any flow through it would stall the daemon's
+      single migration job for longer than the demo lasts. With --with-cxl
+      it goes last, below the far node.
+    * On a multi-socket host without CPU-less memory, the other sockets'
+      memory is the far tier of a workload pinned to the first socket's CPUs
+      (remote DRAM is the slower memory for it).
+    """
+    from kvtier import topology
+
+    if not slow_nodes:
+        tiers = [("dram", [cpu_nodes[0]], "dram"), ("far0", cpu_nodes[1:], "far")]
+        return (tiers, True, cpulist(cpu_nodes[0]),
+                f"demo: no CPU-less memory here: node {cpu_nodes[0]} is DRAM for the workload pinned to its "
+                f"CPUs, nodes {cpu_nodes[1:]} (remote sockets) are its far tier")
+    mem = [(t.name, list(t.nodes), t.kind) for t in topology.discover().tiers if t.kind != topology.KIND_SWAP]
+    cxl = [t for t in mem[1:] if t[2] == topology.KIND_CXL]
+    if os.environ.get("KVTIER_IN_VM") != "1" or not cxl:
+        return mem, False, None, ""
+    tiers = mem[:1] + [t for t in mem[1:] if t[2] != topology.KIND_CXL] + (cxl if a.with_cxl else [])
+    note = "" if a.with_cxl else (
+        f"demo: CXL tier {', '.join(t[0] for t in cxl)} (node(s) {', '.join(str(n) for t in cxl for n in t[1])}) "
+        "left out: QEMU emulates its accesses one by one under TCG (~2.5 MiB/s); --with-cxl keeps it")
+    return tiers, True, None, note
 
 
 class Tee:
@@ -114,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     # QEMU emulates CXL memory accesses one by one under TCG (~2.5 MiB/s for
     # move_pages into it against ~100 MiB/s for RAM-backed nodes), so the
     # guest's CXL tier gets a small target; on real hardware raise it.
-    ap.add_argument("--cxl-mib", type=int, default=16, help="capacity target of each CXL tier")
+    ap.add_argument("--cxl-mib", type=int, help="capacity target of each CXL tier "
+                    "(default 16 in the QEMU guest, else --far-mib)")
     ap.add_argument("--with-cxl", action="store_true",
                     help="guest only: keep the (emulated, very slow) CXL tier, as the last memory tier")
     ap.add_argument("--run-dir", type=Path, default=Path("/run/kvtier-demo"))
@@ -129,39 +171,27 @@ def main(argv: list[str] | None = None) -> int:
         tee.line("demo: needs root (kvtierd moves another process's pages)")
         return 1
     cpu_nodes, slow_nodes = memory_nodes()
-    if not slow_nodes:
-        tee.line(f"demo: this machine has no memory node without CPUs (nodes with CPUs: {cpu_nodes}); "
-                 "nothing to tier between. Run scripts/demo.sh without --host to use the QEMU guest.")
+    if not slow_nodes and len(cpu_nodes) < 2:
+        tee.line(f"demo: this machine has one memory node ({cpu_nodes}); nothing to tier between. "
+                 "Run scripts/demo.sh without --host to use the QEMU guest.")
         return 1
     a.run_dir.mkdir(parents=True, exist_ok=True)
     sock, conf = a.run_dir / "kvtierd.sock", a.run_dir / "kvtierd.toml"
-    # The same discovery kvtierd runs, so the targets name its tier indices.
-    from kvtier import topology
-
-    mib = {topology.KIND_DRAM: a.dram_mib, topology.KIND_FAR: a.far_mib, topology.KIND_CXL: a.cxl_mib}
-    mem_tiers = [t for t in topology.discover().tiers if t.kind != topology.KIND_SWAP]
-    order = None
-    cxl = [t for t in mem_tiers[1:] if t.kind == topology.KIND_CXL]
-    if os.environ.get("KVTIER_IN_VM") == "1" and cxl:
-        # Under TCG every access to the emulated CXL device is a trip through
-        # QEMU's MMIO dispatch: moving 32 MiB into it takes ~13 s, against
-        # 0.2 s for a RAM-backed node. Any flow through it would stall the
-        # daemon's single migration job for longer than the demo lasts, so by
-        # default the guest demo leaves it out; --with-cxl puts it last.
-        ordered = mem_tiers[:1] + [t for t in mem_tiers[1:] if t.kind != topology.KIND_CXL]
-        if a.with_cxl:
-            ordered += cxl
-        order = [(t.name, t.nodes) for t in ordered]
-        mem_tiers = ordered
-    budgets = {i: mib[t.kind] * MIB for i, t in enumerate(mem_tiers)}
+    mem_tiers, override, pin_cpus, note = plan_tiers(a, cpu_nodes, slow_nodes)
+    if note:
+        tee.line(note)
+    in_vm = os.environ.get("KVTIER_IN_VM") == "1"
+    cxl_mib = a.cxl_mib if a.cxl_mib is not None else (16 if in_vm else a.far_mib)
+    mib = {"dram": a.dram_mib, "far": a.far_mib, "cxl": cxl_mib}
+    budgets = {i: mib[kind] * MIB for i, (_, _, kind) in enumerate(mem_tiers)}
     # The pool starts in the slowest RAM-backed memory tier (far rather than
     # CXL: see --cxl-mib), on its first node.
-    start = ([t for t in mem_tiers[1:] if t.kind == topology.KIND_FAR] or mem_tiers[1:])[-1]
-    start_node = start.nodes[0]
+    start_name, start_nodes, _ = ([t for t in mem_tiers[1:] if t[2] == "far"] or mem_tiers[1:])[-1]
+    start_node = start_nodes[0]
     if os.environ.get("KVTIER_IN_VM") == "1":
         # The guest's init leaves loopback down; the metrics exporter listens on it.
         subprocess.run(["ip", "link", "set", "lo", "up"], check=False)
-    conf.write_text(demo_config(sock, a.run_dir / "state.json", budgets, order))
+    conf.write_text(demo_config(sock, a.run_dir / "state.json", budgets, mem_tiers if override else None))
 
     old_nb = None
     try:
@@ -182,21 +212,18 @@ def main(argv: list[str] | None = None) -> int:
 
         with Client(str(sock)) as c:
             tiers = c.request("tiers")["tiers"]
-        if order and not a.with_cxl:
-            tee.line(f"demo: CXL tier {', '.join(t.name for t in cxl)} (node(s) "
-                     f"{', '.join(str(n) for t in cxl for n in t.nodes)}) left out: QEMU emulates its accesses "
-                     "one by one under TCG (~2.5 MiB/s); --with-cxl keeps it")
         tee.line("demo: kvtierd is up; tiers: " + ", ".join(
             f"{t['name']} ({t['kind']}, nodes {','.join(map(str, t['nodes'])) or '-'}, "
             f"target {budgets.get(t['index'], t['capacity']) // MIB} MiB)" for t in tiers))
-        tee.line(f"demo: {a.pool_mib} MiB KV pool starts on node {start_node} ({start.name}); "
+        tee.line(f"demo: {a.pool_mib} MiB KV pool starts on node {start_node} ({start_name}); "
                  f"DRAM target {a.dram_mib} MiB; {a.duration:.0f} s of sessions")
         wl = subprocess.Popen(
             [sys.executable, "-u", str(HERE / "workload.py"), "--socket", str(sock),
              "--timeline", str(out / "timeline.jsonl"), "--summary", str(out / "summary.json"),
              "--duration", str(a.duration), "--pool-mib", str(a.pool_mib),
              "--start-node", str(start_node), *a.workload_args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            preexec_fn=(lambda: os.sched_setaffinity(0, pin_cpus)) if pin_cpus else None)
         for line in wl.stdout:
             tee.line(line.rstrip("\n"))
         rc = wl.wait()

@@ -140,7 +140,7 @@ def plot(timeline: list[dict], meta: dict, path: Path) -> None:
 def markdown(timeline: list[dict], meta: dict, summary: dict, metrics: dict, png: str) -> str:
     t, res = residency_series(timeline)
     end = float(t[-1]) if len(t) else 0.0
-    first = window_mean(t, res, 0, 10)
+    first = window_mean(t, res, 0, 3)
     last = window_mean(t, res, max(0.0, end - 30), end + 1)
     rows = moved_table(timeline, meta, metrics)
     total = sum(r[3] for r in rows)
@@ -156,7 +156,7 @@ def markdown(timeline: list[dict], meta: dict, summary: dict, metrics: dict, png
         "",
         "| | block reads served from DRAM |",
         "|---|---|",
-        f"| first 10 s | {_pct(first)} |",
+        f"| first 3 s (pool still where it started) | {_pct(first)} |",
         f"| last 30 s | {_pct(last)} |",
         "",
         f"![placement]({png})",
