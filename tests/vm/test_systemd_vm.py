@@ -71,6 +71,15 @@ def wait_for(pred, what: str, timeout: float = DEADLINE, interval: float = 0.2):
         time.sleep(interval)
 
 
+def start() -> None:
+    """systemctl start kvtierd; on failure the unit's journal says why (e.g.
+    203/EXEC when the sandbox hides the executable)."""
+    r = sh("systemctl", "start", SERVICE, check=False)
+    if r.returncode != 0:
+        tail = sh("journalctl", "--no-pager", "-n", "20", "-u", SERVICE, check=False).stdout
+        raise AssertionError(f"systemctl start {SERVICE} exited {r.returncode}: {r.stderr}\n{tail}")
+
+
 def main_pid() -> int:
     return int(show(SERVICE, "MainPID")["MainPID"])
 
@@ -108,7 +117,7 @@ def installed():
 @pytest.fixture
 def running(installed):
     """kvtierd active (started if an earlier test left it stopped)."""
-    sh("systemctl", "start", SERVICE)
+    start()
     yield main_pid()
 
 
@@ -128,7 +137,7 @@ def kv_pool():
 def test_systemctl_start_reaches_active_through_ready_and_shows_status(installed):
     # Type=notify: `systemctl start` returns only once kvtierd sent READY=1
     # (or failed); STATUS= text can only come from the daemon's sd_notify.
-    sh("systemctl", "start", SERVICE)
+    start()
     p = show(SERVICE, "ActiveState", "SubState", "Type", "StatusText", "MainPID", "NotifyAccess",
              "WatchdogUSec", "ExecMainStatus")
     assert (p["ActiveState"], p["SubState"], p["Type"]) == ("active", "running", "notify"), p
