@@ -158,7 +158,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "kvtier_migrated_bytes": ("counter", ("src", "dst"), "Bytes migrated, by source and destination tier."),
     "kvtier_migration_failures": ("counter", ("src", "dst", "reason"),
                                   "Failed block migrations by tiers and reason (errno name)."),
-    "kvtier_migration_duration_seconds": ("histogram", (), "Wall time of one migration batch."),
+    "kvtier_migration_duration_seconds": ("histogram", (), "Wall time of one migration job (a tick's moves and measurements)."),
     "kvtier_tick_duration_seconds": ("histogram", (), "Wall time of one policy tick (snapshot, plan, act)."),
     "kvtier_tick_last_duration_seconds": ("gauge", (), "Wall time of the last tick."),
     "kvtier_ticks": ("counter", (), "Policy ticks run."),
