@@ -229,6 +229,10 @@ def test_hardened_unit_migrates_to_far_and_cxl_and_pages_out_to_nvme_swap(runnin
             assert stats["migrations"].get(f"0:{tier}", 0) >= 1, stats["migrations"]
         region.unregister()
     assert kv_pool.sum(dtype=np.uint64) == before  # bytes survive the round trip (swap-in on read)
+    # DAMON's sysfs is the one place kvtierd writes outside its own dirs
+    # (ReadWritePaths); the guest kernel has DAMON vaddr, so it must be in use.
+    msgs = [e["MESSAGE"] for e in journal("-u", SERVICE, f"_PID={running}")]
+    assert any("hotness source damon: active" in m for m in msgs), msgs
 
 
 def test_systemctl_reload_applies_a_changed_config(running):
