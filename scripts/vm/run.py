@@ -15,6 +15,9 @@ read-write share at /mnt/kvtier ($KVTIER_SHARE) to bring files back.
 COMMAND runs as root in the guest, in the current directory, with
 KVTIER_IN_VM=1; its exit status becomes run.py's.
 
+--systemd boots the host's own systemd as PID 1 after the same set-up, and
+COMMAND runs as a unit once basic.target is up (scripts/vm/systemd/sdguest.py).
+
 run.py's own failures get statuses a command rarely uses:
   124  the guest did not finish within --timeout (QEMU killed)
   125  the guest crashed or QEMU failed before reporting an exit status
