@@ -191,43 +191,44 @@ def test_hardened_unit_migrates_to_far_and_cxl_and_pages_out_to_nvme_swap(runnin
     far, cxl, swap = (_tier_index(tiers, node=FAR_NODE), _tier_index(tiers, node=CXL_NODE),
                       _tier_index(tiers, kind="swap"))
     with Client(timeout=60) as kv:
-        region = kv.register(kv_pool, block_size=block, name="systemd-vm")
-        # kvtierctl migrate --pin, as an operator would (one Python start),
-        # then the same two ops from the client for the other blocks.
-        ctl("migrate", str(region.id), str(far), "--blocks", "0", "--pin")
-        for blk, tier in ((1, cxl), (2, swap)):
-            blocks = P.pack_blocks(np.array([blk]))
-            kv.request("migrate", region=region.id, tier=tier, blocks=blocks)
-            kv.request("pin", region=region.id, tier=tier, blocks=blocks)
-        pages = np.uint64(addr) + np.arange(4 * block // PAGE, dtype=np.uint64) * np.uint64(PAGE)
-        per_block = block // PAGE
+        # Unregistered on the way out even on failure: a leftover region would
+        # be re-adopted and counted by the restart test.
+        with kv.register(kv_pool, block_size=block, name="systemd-vm") as region:
+            # kvtierctl migrate --pin, as an operator would (one Python start),
+            # then the same two ops from the client for the other blocks.
+            ctl("migrate", str(region.id), str(far), "--blocks", "0", "--pin")
+            for blk, tier in ((1, cxl), (2, swap)):
+                blocks = P.pack_blocks(np.array([blk]))
+                kv.request("migrate", region=region.id, tier=tier, blocks=blocks)
+                kv.request("pin", region=region.id, tier=tier, blocks=blocks)
+            pages = np.uint64(addr) + np.arange(4 * block // PAGE, dtype=np.uint64) * np.uint64(PAGE)
+            per_block = block // PAGE
 
-        def nodes() -> np.ndarray:
-            return native.move_pages(os.getpid(), pages, None).reshape(4, per_block)
+            def nodes() -> np.ndarray:
+                return native.move_pages(os.getpid(), pages, None).reshape(4, per_block)
 
-        def swapped() -> np.ndarray:
-            with Pagemap(os.getpid()) as pm:
-                return (pm.read(addr + 2 * block, per_block, PAGE) & PM_SWAP) != 0
+            def swapped() -> np.ndarray:
+                with Pagemap(os.getpid()) as pm:
+                    return (pm.read(addr + 2 * block, per_block, PAGE) & PM_SWAP) != 0
 
-        def placed() -> bool:
+            def placed() -> bool:
+                n = nodes()
+                return bool((n[0] == FAR_NODE).all() and (n[1] == CXL_NODE).all() and swapped().all())
+
+            wait_for(placed, "blocks 0/1/2 on node 1, node 2 and in swap")
             n = nodes()
-            return bool((n[0] == FAR_NODE).all() and (n[1] == CXL_NODE).all() and swapped().all())
-
-        wait_for(placed, "blocks 0/1/2 on node 1, node 2 and in swap")
-        n = nodes()
-        assert (n[3] == DRAM_NODE).all()  # the block nobody asked to move stayed
-        by_node = numa_maps_nodes(os.getpid(), addr)
-        assert by_node.get(FAR_NODE, 0) >= per_block and by_node.get(CXL_NODE, 0) >= per_block
-        # The daemon did it, and its books agree once the job's results are
-        # applied (the pages move before the worker thread reports back):
-        # blocks moved from DRAM to each tier, no failure (an EPERM from the
-        # sandbox would be counted here).
-        wait_for(lambda: list(region.query()) == [far, cxl, swap, 0], "the daemon's tiers of the blocks")
-        stats = kv.stats()
-        assert stats["migration_failures"] == {}, stats["migration_failures"]
-        for tier in (far, cxl, swap):
-            assert stats["migrations"].get(f"0:{tier}", 0) >= 1, stats["migrations"]
-        region.unregister()
+            assert (n[3] == DRAM_NODE).all()  # the block nobody asked to move stayed
+            by_node = numa_maps_nodes(os.getpid(), addr)
+            assert by_node.get(FAR_NODE, 0) >= per_block and by_node.get(CXL_NODE, 0) >= per_block
+            # The daemon did it, and its books agree once the job's results are
+            # applied (the pages move before the worker thread reports back):
+            # blocks moved from DRAM to each tier, no failure (an EPERM from the
+            # sandbox would be counted here).
+            wait_for(lambda: list(region.query()) == [far, cxl, swap, 0], "the daemon's tiers of the blocks")
+            stats = kv.stats()
+            assert stats["migration_failures"] == {}, stats["migration_failures"]
+            for tier in (far, cxl, swap):
+                assert stats["migrations"].get(f"0:{tier}", 0) >= 1, stats["migrations"]
     assert kv_pool.sum(dtype=np.uint64) == before  # bytes survive the round trip (swap-in on read)
     # DAMON's sysfs is the one place kvtierd writes outside its own dirs
     # (ReadWritePaths); the guest kernel has DAMON vaddr, so it must be in use.
