@@ -56,6 +56,17 @@ case "$kvtierd $real $interp" in
         chmod 0644 "$dropin" ;;
     *) rm -f "$dropin" ;;
 esac
+# PrivateTmp=yes gives the service an empty /tmp and /var/tmp; a kvtierd
+# installed from a checkout there (CI clones into mktemp -d) would vanish
+# (status=203/EXEC, seen in the systemd guest). Keep the host's /tmp then.
+tmpdropin=$unitdir/kvtierd.service.d/10-tmp.conf
+case "$kvtierd $real $interp" in
+    */tmp/*)
+        install -d -m 0755 "$unitdir/kvtierd.service.d"
+        printf '# written by install-systemd.sh: kvtierd or its Python lives under /tmp or /var/tmp\n[Service]\nPrivateTmp=no\n' > "$tmpdropin"
+        chmod 0644 "$tmpdropin" ;;
+    *) rm -f "$tmpdropin" ;;
+esac
 
 if [ -e "$root/etc/kvtierd/kvtierd.toml" ]; then
     echo "keeping existing $root/etc/kvtierd/kvtierd.toml"
