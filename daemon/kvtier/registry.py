@@ -286,6 +286,11 @@ class Registry:
         n = int(blocks.size)
         self.regions[region_id].block_hints += n
         self.stats.block_hints_total += n
+        # Where the hinted blocks were when read: one bincount per message.
+        hits = np.bincount(self.table.tier[rows].astype(np.int64) + 2,
+                           weights=None if counts is None else counts.astype(np.float64))
+        for i in np.flatnonzero(hits):
+            self.stats.hint_tier_blocks[int(i) - 2] += int(hits[i])
         return n
 
     def phase(self, region_id: int, phase: str, blocks: np.ndarray | None) -> int:

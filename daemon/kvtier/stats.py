@@ -38,6 +38,9 @@ class DaemonStats:
     regions_adopted_total: int = 0  # re-adopted from the state file at start
     regions_stale_total: int = 0  # in the state file but the process is gone
     block_hints_total: int = 0
+    # hinted block accesses by the tier the block was in when hinted (-1
+    # unknown, -2 mixed): the tier hit ratio KV-cache users ask for.
+    hint_tier_blocks: collections.Counter = field(default_factory=collections.Counter)
     state_writes_total: int = 0
     state_write_errors_total: int = 0
     # engine
