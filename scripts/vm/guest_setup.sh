@@ -36,6 +36,9 @@ mount_kernel_fs() {
     # No fresh tmpfs on /tmp: the overlay already makes it writable, and the
     # checkout under test may itself live in the host's /tmp (CI clones do).
     mount -t tmpfs -o mode=0755 tmpfs /run
+    # Loopback starts down without an init system; the metrics exporter and
+    # anything else on 127.0.0.1 need it.
+    ip link set lo up 2>/dev/null || busybox ip link set lo up
     mount -t debugfs debugfs /sys/kernel/debug 2>/dev/null
     mount -t tracefs tracefs /sys/kernel/tracing 2>/dev/null
     mount -t cgroup2 cgroup2 /sys/fs/cgroup 2>/dev/null

@@ -46,12 +46,8 @@ def kernel_args() -> list[str]:
         *(f"systemd.mask={u}" for u in MASKED),
         # Only failures on the console: it also carries the tests' output.
         "systemd.show_status=error",
-        # Under TCG on a busy host the TSC calibration can come out several
-        # times too low (seen: uptime 493 s after 30 s of wall time), and with
-        # tsc=reliable nothing corrects it. systemd lives by timeouts (start,
-        # watchdog, restart delay), so keep time with the HPET, which QEMU
-        # derives from the host clock.
-        "clocksource=hpet",
+        # clocksource=hpet (for systemd's start/watchdog timeouts) is in
+        # run.py's common kernel arguments: both modes need real time.
     ]
 
 
