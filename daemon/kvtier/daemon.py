@@ -141,16 +141,19 @@ class Daemon:
         self.registry = Registry(self.table, limits_of(cfg), self.stats, self.temperature, self.watcher,
                                  proc_root=d.proc_root, on_change=self._state_dirty)
         self.topology = topo_mod.discover(d.sys_root, d.proc_root, cfg.extra.get("topology") or None)
+        for t in self.topology.tiers:
+            logs.event(log, "tier_discovered", tier=t.name, index=t.index, kind=t.kind,
+                       nodes=",".join(map(str, t.nodes)) or "-", total_bytes=t.total, order=t.order_source)
         for w in self.topology.warnings:
-            log.warning("topology: %s", w)
+            logs.event(log, "topology_warning", logging.WARNING, warning=w)
         self.migrator = Migrator(proc_root=d.proc_root, dry_run=d.dry_run)
         self.sources = sources_mod.build(hotness_sources_table(cfg), d.sys_root, d.proc_root, dry_run=d.dry_run)
         self.availability = sources_mod.probe_all(self.sources)
         for name, a in self.availability.items():
             if a:
-                log.info("hotness source %s: active (%s)", name, a.reason)
+                logs.event(log, "source_active", source=name, detail=a.reason)
             else:
-                log.warning("hotness source %s: unavailable: %s", name, a.reason)
+                logs.event(log, "source_unavailable", logging.WARNING, source=name, reason=a.reason)
         self.engine = Engine(
             self.table, self.registry, self.topology, self.migrator, self.temperature,
             policy_config(cfg.extra.get("policy", {}), self.registry.tenant_id), self.stats,

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtier import logs
 from kvtier import policy as pol
 from kvtier.blocks import FIELDS, F_KEEP_DRAM, F_NEVER_SWAP, F_NOT_PRESENT, TIER_UNKNOWN, BlockTable
 from kvtier.errors import InvalidArgument, KvtierError
@@ -313,6 +314,8 @@ class Engine:
             except (KvtierError, OSError) as e:
                 name = getattr(e, "errno_name", None) or type(e).__name__
                 job.failures[(int(src), int(dst), name)] += int(sel.size)
+                logs.event(log, "migration_batch_failed", logging.WARNING, pid=int(pid), src=int(src),
+                           dst=int(dst), blocks=int(sel.size), reason=name, error=str(e))
                 continue
             if res.dry_run:
                 job.ok[sel] = True  # pretend, so a dry run reaches the policy's steady state
@@ -321,6 +324,12 @@ class Engine:
             job.unmovable[sel] = res.block_unmovable
             for name, pages in res.errors.items():
                 job.failures[(int(src), int(dst), name)] += pages
+            if res.errors:
+                # One line per batch, never per page: which pages failed and why.
+                logs.event(log, "migration_batch_partial", logging.WARNING, pid=int(pid), src=int(src),
+                           dst=int(dst), blocks=int(sel.size), blocks_failed=int((~res.block_ok).sum()),
+                           blocks_unmovable=int(res.block_unmovable.sum()),
+                           errors=",".join(f"{k}:{v}" for k, v in sorted(res.errors.items())))
 
     def _measure(self, job: Job) -> None:
         topo = self.topology

@@ -21,7 +21,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from kvtier import procfs, procmap
+from kvtier import logs, procfs, procmap
 from kvtier.blocks import (
     F_KEEP_DRAM,
     F_MANUAL_PIN,
@@ -217,6 +217,8 @@ class Registry:
         self.generation += 1
         self._gauges()
         self.on_change()
+        logs.event(log, "region_registered", region=region_id, pid=pid, name=name, tenant=tenant,
+                   bytes=length, blocks=nblocks, block_size=block_size)
         return reg
 
     def get(self, region_id: int) -> Region:
@@ -249,7 +251,7 @@ class Registry:
             self.remove(rid)
         if ids:
             self.stats.regions_dropped_exit_total += len(ids)
-            log.info("pid %d exited: dropped %d region(s)", pid, len(ids))
+            logs.event(log, "regions_dropped", pid=pid, regions=len(ids), reason="process exited")
         return len(ids)
 
     def _gauges(self) -> None:

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvtier import native, protocol as P
+from kvtier import logs, native, protocol as P
 from kvtier.errors import KvtierError, KvtierOSError, PermissionDenied, ProcessGone, os_error
 from kvtier.registry import Region, Registry
 from kvtier.stats import DaemonStats
@@ -160,7 +160,8 @@ class ControlAPI:
 
     def op_unregister(self, peer: Peer, req: P.Unregister) -> dict:
         self._own(peer, req.region)
-        self.registry.remove(req.region)
+        reg = self.registry.remove(req.region)
+        logs.event(log, "region_unregistered", region=reg.id, pid=reg.pid, name=reg.name, by_uid=peer.uid)
         return {}
 
     def op_hint(self, peer: Peer, req: P.Hint) -> dict:
