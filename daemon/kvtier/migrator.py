@@ -32,7 +32,8 @@ import numpy as np
 
 from kvtier import native
 from kvtier.errors import InvalidArgument, os_error
-from kvtier.procfs import PM_PRESENT, PM_SWAP, Pagemap, check_range, read_maps
+from kvtier import procmap
+from kvtier.procfs import PM_PRESENT, PM_SWAP, Pagemap
 
 # Pages per move_pages call: large enough that syscall overhead vanishes,
 # small enough that one call does not hold the target's mmap lock for long.
@@ -262,11 +263,12 @@ class Migrator:
         """Raise RangeNotMapped unless every block lies inside the process's mappings.
 
         Checked before acting so an unmapped range is a clear error rather
-        than a scatter of per-page EFAULTs.
+        than a scatter of per-page EFAULTs. One PROCMAP_QUERY ioctl per VMA
+        of each run (falling back to /proc/PID/maps on kernels before 6.11),
+        instead of parsing every mapping of the process on every call.
         """
-        maps = read_maps(pid, self.proc_root)
         for start, _first, n in layout.runs:
-            check_range(maps, start, n * self.page_size, kv_only=False)
+            procmap.check_range(pid, start, n * self.page_size, self.proc_root, kv_only=False)
 
     # -- actions -----------------------------------------------------------
 

@@ -82,12 +82,12 @@ def _query_range(path: str, start: int, length: int) -> list[procfs.Mapping]:
         os.close(fd)
 
 
-def check_range(pid: int, start: int, length: int, proc_root: str = "/proc") -> None:
-    """Raise RangeNotMapped unless [start, start+length) lies in KV-eligible
-    mappings of ``pid`` (procfs.check_range rules)."""
+def check_range(pid: int, start: int, length: int, proc_root: str = "/proc", *, kv_only: bool = True) -> None:
+    """Raise RangeNotMapped unless [start, start+length) lies in mappings of
+    ``pid`` (KV-eligible ones with ``kv_only``; procfs.check_range rules)."""
     path = os.path.join(proc_root, str(pid), procfs.PROC_MAPS)
     try:
         maps = _query_range(path, start, length)
     except _Unsupported:
         maps = procfs.read_maps(pid, proc_root)
-    procfs.check_range(maps, start, length)
+    procfs.check_range(maps, start, length, kv_only=kv_only)
