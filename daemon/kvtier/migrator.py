@@ -369,8 +369,14 @@ class Migrator:
         stuck = present & ~swapped
         errors = {"NOT_PAGED_OUT": int(stuck.sum())} if stuck.any() else {}
         block_ok = layout.per_block(stuck) == 0
+        # Skipped pages are not evidence of pinning: a page being read at that
+        # moment, or still under writeback, is skipped too and pages out on a
+        # later try. So a failed pageout is a retryable failure (the policy backs
+        # off and marks a block unmovable only after repeated failures), never
+        # "unmovable" at once: that froze hot blocks out of DRAM for good.
         return MoveResult(
-            op, "swap", len(layout.addrs), int(swapped.sum()), errors, block_ok, ~block_ok,
+            op, "swap", len(layout.addrs), int(swapped.sum()), errors, block_ok,
+            np.zeros(len(block_ok), dtype=bool),
             time.monotonic() - t0, page_size=self.page_size,
         )
 
