@@ -233,7 +233,7 @@ def test_hardened_unit_migrates_to_far_and_cxl_and_pages_out_to_nvme_swap(runnin
     # DAMON's sysfs is the one place kvtierd writes outside its own dirs
     # (ReadWritePaths); the guest kernel has DAMON vaddr, so it must be in use.
     msgs = [e["MESSAGE"] for e in journal("-u", SERVICE, f"_PID={running}")]
-    assert any("hotness source damon: active" in m for m in msgs), msgs
+    assert any("event=source_active" in m and "source=damon " in m for m in msgs), msgs
 
 
 def test_systemctl_reload_applies_a_changed_config(running):
