@@ -4,23 +4,19 @@
 The workload is the one scripts/bench/vm_tiering_compare.py measures (its
 constants are imported from there): a 256 MiB pool in 2 MiB blocks, all moved
 to the far node 1 first, a thread reading a 32 MiB hot set (16 blocks) that
-moves once to 16 other blocks. kvtierd gets a DRAM target of 64 MiB; with
-hints also a far target of 128 MiB, so the pool fits in neither and its
-coldest part must go to the guest's swap. The emulated CXL node 2 is left
-out of the tiers, as the demo does (scripts/demo/driver.py plan_tiers: under
-TCG a move into it runs at ~2.5 MiB/s).
+moves once to 16 other blocks. kvtierd gets a DRAM target of 64 MiB and a
+far target of 128 MiB, so the pool fits in neither and its coldest part must
+go to the guest's swap. The emulated CXL node 2 is left out of the tiers, as
+the demo does (scripts/demo/driver.py plan_tiers: under TCG a move into it
+runs at ~2.5 MiB/s).
 
-The DAMON-only run has no swap tier (``[topology] swap = false``): at
-registration DAMON has no samples yet, every block is equally cold, and the
-first ticks page out an arbitrary part of an over-target far tier, hot blocks
-included; MADV_PAGEOUT leaves a block that is being read present,
-migrator._swap_result reports it unmovable, and F_UNMOVABLE keeps the hot set
-out of DRAM for good (seen in the guest with a far target of 128 MiB:
-"migration_batch_partial src=1 dst=2 blocks=74 blocks_failed=16
-blocks_unmovable=16 errors=NOT_PAGED_OUT:8192", then 0% of the hot set on
-node 0 after 60 ticks; with a 256 MiB far target its high watermark still
-paged 20 blocks out and left 12% of the hot set on node 0).
-With hints the hot set is hot before the first plan, so swap is kept there.
+Without hints, at registration DAMON has no samples yet, every block is
+equally cold, and the first ticks page out an arbitrary part of the
+over-target far tier, hot blocks included; MADV_PAGEOUT leaves a block that
+is being read present. That used to mark the block unmovable at once and keep
+the hot set out of DRAM for good (seen here: 0% of the hot set on node 0
+after 60 ticks); the migrator now reports it as a retryable failure, and the
+DAMON-only run keeps swap too (measured 8/49 and 11/47 ticks per phase).
 
 Placement is read from the kernel (move_pages status and pagemap through
 kvtier.migrator residency), never from the daemon's view. Convergence is
@@ -88,7 +84,7 @@ class Daemon:
         # Without hints DAMON vaddr is the only source: perf major-fault
         # samples (on by default) would otherwise also report swap-ins.
         others = "" if hints else "[hotness.perf_fault]\nenabled = false\n[hotness.perf]\nenabled = false\n"
-        caps = f'"0" = {DRAM_TARGET}' + (f', "1" = {FAR_TARGET}' if hints else "")
+        caps = f'"0" = {DRAM_TARGET}, "1" = {FAR_TARGET}'
         conf.write_text(textwrap.dedent(f"""\
             [daemon]
             socket = "{self.sock}"
@@ -98,7 +94,7 @@ class Daemon:
             capacity = {{ {caps} }}
             [topology]
             tiers = [{tiers}]
-            swap = {str(hints).lower()}
+            swap = true
             """) + others)
         self.log = tmp / "kvtierd.log"
         with open(self.log, "wb") as f:
