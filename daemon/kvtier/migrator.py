@@ -287,13 +287,15 @@ class Migrator:
             self.record.append({"op": "move_pages", "pid": pid, "pages": len(layout.addrs), "node": node})
             return MoveResult("move", f"node {node}", len(layout.addrs), 0, dry_run=True, page_size=self.page_size)
         self.check_mapped(pid, layout)
-        status = self._buf("status", len(layout.addrs), np.int32)
-        for i in range(0, len(layout.addrs), self.batch_pages):
-            native.move_pages(
-                pid, layout.addrs[i : i + self.batch_pages], node, status=status[i : i + self.batch_pages]
-            )
-        status = self._resolve_busy(pid, layout.addrs, status, node)
+        status = self._move_all(pid, layout.addrs, node)
         return self._result("move", f"node {node}", layout, status, node, t0)
+
+    def _move_all(self, pid: int, addrs: np.ndarray, node: int) -> np.ndarray:
+        """move_pages over the whole batch in batch_pages chunks, busy pages resolved."""
+        status = self._buf("status", len(addrs), np.int32)
+        for i in range(0, len(addrs), self.batch_pages):
+            native.move_pages(pid, addrs[i : i + self.batch_pages], node, status=status[i : i + self.batch_pages])
+        return self._resolve_busy(pid, addrs, status, node)
 
     def _resolve_busy(self, pid: int, addrs: np.ndarray, status: np.ndarray, node: int) -> np.ndarray:
         """Re-query -EBUSY pages; retry those not yet on ``node``.
@@ -407,10 +409,5 @@ class Migrator:
                 finally:
                     os.close(pidfd)
             native.touch_remote(pid, np.ascontiguousarray(layout.addrs[swapped]))
-        status = self._buf("status", len(layout.addrs), np.int32)
-        for i in range(0, len(layout.addrs), self.batch_pages):
-            native.move_pages(
-                pid, layout.addrs[i : i + self.batch_pages], node, status=status[i : i + self.batch_pages]
-            )
-        status = self._resolve_busy(pid, layout.addrs, status, node)
+        status = self._move_all(pid, layout.addrs, node)
         return self._result("pagein", f"node {node}", layout, status, node, t0)
