@@ -8,6 +8,7 @@ a generous deadline; nothing asserts on elapsed time.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -20,6 +21,7 @@ import textwrap
 import time
 
 import pytest
+import waiting
 
 from kvtier import protocol as P
 from kvtier.client import Client, KvtierClientError
@@ -31,15 +33,7 @@ DEADLINE = 20.0
 NOBODY = 65534
 
 
-def wait_for(pred, what: str, timeout: float = DEADLINE, interval: float = 0.02):
-    end = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(interval)
+wait_for = functools.partial(waiting.wait_for, timeout=DEADLINE, interval=0.02)
 
 
 class DaemonProc:

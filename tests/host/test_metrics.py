@@ -12,6 +12,7 @@ asserts on elapsed time.
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import re
@@ -25,6 +26,7 @@ from argparse import Namespace
 
 import numpy as np
 import pytest
+import waiting
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvchild import KVChild
@@ -40,15 +42,7 @@ DRAM_BUDGET = 8 * MIB  # low watermark 0.85 -> 3 blocks stay in DRAM
 DEADLINE = 60.0
 
 
-def wait_for(pred, what: str, timeout: float = DEADLINE):
-    end = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
+wait_for = functools.partial(waiting.wait_for, timeout=DEADLINE, interval=0.1)
 
 
 class Scrape:

@@ -12,6 +12,7 @@ a condition with a generous deadline: the guest runs under TCG.
 
 from __future__ import annotations
 
+import functools
 import json
 import mmap
 import os
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import waiting
 
 from kvtier import native
 from kvtier import protocol as P
@@ -60,15 +62,7 @@ def show(unit: str, *props: str) -> dict[str, str]:
     return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
 
-def wait_for(pred, what: str, timeout: float = DEADLINE, interval: float = 0.2):
-    end = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
+wait_for = functools.partial(waiting.wait_for, timeout=DEADLINE, interval=0.2)
 
 
 def start() -> None:
