@@ -15,7 +15,7 @@ kernel are skipped silently: old kernels lack memory tiers, most machines
 lack CXL and HMAT.
 
 Runs under any Python 3.9+ with only the standard library (the guest may not
-have the venv); the list of kernel file names comes from kvtier.sysfs, which
+have the venv); the list of kernel file names comes from kvtier.kernel.sysfs, which
 imports nothing outside the standard library.
 """
 
@@ -32,7 +32,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "daemon"))
 
-from kvtier import sysfs as k  # noqa: E402
+from kvtier.kernel import sysfs as k  # noqa: E402
 
 _SKIP_DISKS = re.compile(r"^(loop|ram)\d+$")
 

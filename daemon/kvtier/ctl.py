@@ -188,7 +188,7 @@ def cmd_explain(c: Client, a) -> tuple[Any, str]:
 
 
 def cmd_topology(a) -> tuple[Any, str]:
-    from kvtier import topology
+    from kvtier.kernel import topology
 
     topo = topology.discover(a.sys_root, a.proc_root)
     return topo.to_dict(), topology.format_table(topo)

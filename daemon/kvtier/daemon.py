@@ -30,13 +30,13 @@ from typing import Any
 from kvtier import config as C
 from kvtier import hotness, logs, state
 from kvtier import metrics as metrics_mod
-from kvtier import sources as sources_mod
+from kvtier.kernel import sources as sources_mod
 from kvtier import policy as pol
-from kvtier import topology as topo_mod
+from kvtier.kernel import topology as topo_mod
 from kvtier.blocks import BlockTable
 from kvtier.engine import Engine
 from kvtier.errors import ConfigError, KvtierError
-from kvtier.migrator import Migrator
+from kvtier.kernel.migrator import Migrator
 from kvtier.registry import Limits, Registry
 from kvtier.sdnotify import Notifier
 from kvtier.server import ControlAPI, PidfdWatcher, Server, listen_fds

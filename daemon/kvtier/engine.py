@@ -73,8 +73,8 @@ class Engine:
         self,
         table: BlockTable,
         registry: Registry,
-        topology: Any,  # kvtier.topology.Topology
-        migrator: Any,  # kvtier.migrator.Migrator
+        topology: Any,  # kvtier.kernel.topology.Topology
+        migrator: Any,  # kvtier.kernel.migrator.Migrator
         temperature: Temperature,
         policy_cfg: pol.PolicyConfig,
         stats: DaemonStats,

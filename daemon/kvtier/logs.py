@@ -7,7 +7,7 @@ itself). Anywhere else lines start with an ISO-8601 UTC timestamp. Either
 way the rest is logfmt, ``key=value`` pairs that ``grep``, Loki and
 ``journalctl -o cat`` users can filter without a parser:
 
-    ts=2026-12-01T06:43:17.123Z level=info logger=kvtier.topology event=tier_discovered tier=cxl0 nodes=2
+    ts=2026-12-01T06:43:17.123Z level=info logger=kvtier.kernel.topology event=tier_discovered tier=cxl0 nodes=2
 
 ``event(log, "region_registered", region=3, pid=1234)`` is the one call
 sites use for state changes; ordinary ``log.info("...")`` calls still work

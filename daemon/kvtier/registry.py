@@ -21,7 +21,9 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from kvtier import logs, procfs, procmap
+from kvtier import logs
+
+from kvtier.kernel import procfs, procmap
 from kvtier.blocks import (
     F_KEEP_DRAM,
     F_MANUAL_PIN,

@@ -31,7 +31,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvtier import logs, native, protocol as P
+from kvtier import logs, protocol as P
+
+from kvtier.kernel import native
 from kvtier.errors import KvtierError, KvtierOSError, PermissionDenied, ProcessGone, os_error
 from kvtier.registry import Region, Registry
 from kvtier.stats import DaemonStats

@@ -22,7 +22,9 @@ from types import SimpleNamespace
 import numpy as np
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kvtier import metrics, topology
+from kvtier import metrics
+
+from kvtier.kernel import topology
 from kvtier.blocks import BlockTable
 from kvtier.stats import DaemonStats
 

@@ -29,9 +29,9 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
 from kvchild import KVChild  # noqa: E402
 
-from kvtier import native  # noqa: E402
-from kvtier.migrator import Migrator, page_layout  # noqa: E402
-from kvtier.procfs import Pagemap  # noqa: E402
+from kvtier.kernel import native  # noqa: E402
+from kvtier.kernel.migrator import Migrator, page_layout  # noqa: E402
+from kvtier.kernel.procfs import Pagemap  # noqa: E402
 
 BLOCK = 2 << 20
 

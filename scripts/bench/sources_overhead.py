@@ -33,12 +33,12 @@ sys.path.insert(0, str(REPO / "tests"))
 from kvchild import KVChild  # noqa: E402
 
 from kvtier.blocks import BlockTable  # noqa: E402
-from kvtier.native import PAGE_SIZE  # noqa: E402
-from kvtier.procfs import PM_PFN_MASK, PM_PRESENT, Pagemap  # noqa: E402
-from kvtier.sources import accessbits as ab  # noqa: E402
-from kvtier.sources import damon as dm  # noqa: E402
-from kvtier.sources import perf as pf  # noqa: E402
-from kvtier.sysfs_io import SysfsIO  # noqa: E402
+from kvtier.kernel.native import PAGE_SIZE  # noqa: E402
+from kvtier.kernel.procfs import PM_PFN_MASK, PM_PRESENT, Pagemap  # noqa: E402
+from kvtier.kernel.sources import accessbits as ab  # noqa: E402
+from kvtier.kernel.sources import damon as dm  # noqa: E402
+from kvtier.kernel.sources import perf as pf  # noqa: E402
+from kvtier.kernel.sysfs_io import SysfsIO  # noqa: E402
 
 
 def best_of(fn, n=15):

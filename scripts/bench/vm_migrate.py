@@ -66,8 +66,8 @@ def bench_mode(mib: int, rounds: int, thp: bool, c_bin: str) -> dict:
 
     sys.path.insert(0, str(REPO / "tests"))
     from kvchild import KVChild
-    from kvtier import native
-    from kvtier.migrator import Migrator
+    from kvtier.kernel import native
+    from kvtier.kernel.migrator import Migrator
 
     size = mib * MiB
     with KVChild(size, *(["--thp"] if thp else [])) as child:

@@ -115,8 +115,8 @@ class DamosPaddr:
     """Two paddr kdamonds: hot pages of the far node up, cold ones of DRAM down."""
 
     def __init__(self):
-        from kvtier.sources import damon as dm
-        from kvtier.sysfs_io import SysfsIO
+        from kvtier.kernel.sources import damon as dm
+        from kvtier.kernel.sysfs_io import SysfsIO
 
         self.dm = dm
         self.io = SysfsIO("/sys")
@@ -181,7 +181,7 @@ class Kvtierd:
     DRAM_TARGET = 96 * MiB
 
     def __init__(self):
-        from kvtier import topology
+        from kvtier.kernel import topology
 
         self.dir = Path(tempfile.mkdtemp(prefix="kvtier-cmp-"))
         self.sock = self.dir / "kvtierd.sock"
@@ -226,7 +226,7 @@ class Kvtierd:
 
 def run_mode(mode: str, seconds: float) -> dict:
     from kvchild import KVChild
-    from kvtier import native
+    from kvtier.kernel import native
 
     page = native.PAGE_SIZE
     write(NUMA_BALANCING, 0)
@@ -309,7 +309,7 @@ def run_mode(mode: str, seconds: float) -> dict:
             extra["sources"] = daemon.sources()
             # kvtierd's DAMON source starts its kdamond at registration: all
             # of that kernel thread's CPU time belongs to this run.
-            from kvtier.sysfs_io import SysfsIO
+            from kvtier.kernel.sysfs_io import SysfsIO
 
             io = SysfsIO("/sys")  # retries EBUSY: kvtierd's DAMON commands hold the sysfs lock
             kd = "kernel/mm/damon/admin/kdamonds/0/pid"

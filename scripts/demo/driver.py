@@ -105,7 +105,7 @@ def plan_tiers(a, cpu_nodes: list[int], slow_nodes: list[int]):
       memory is the far tier of a workload pinned to the first socket's CPUs
       (remote DRAM is the slower memory for it).
     """
-    from kvtier import topology
+    from kvtier.kernel import topology
 
     if not slow_nodes:
         tiers = [("dram", [cpu_nodes[0]], "dram"), ("far0", cpu_nodes[1:], "far")]

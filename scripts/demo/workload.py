@@ -46,9 +46,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvtier import native
+from kvtier.kernel import native
 from kvtier.client import Client
-from kvtier.migrator import Migrator
+from kvtier.kernel.migrator import Migrator
 
 MIB = 1 << 20
 PAGE = os.sysconf("SC_PAGE_SIZE")

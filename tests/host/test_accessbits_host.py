@@ -18,9 +18,9 @@ import pytest
 
 from kvchild import KVChild
 from kvtier.blocks import BlockTable
-from kvtier.native import PAGE_SIZE
-from kvtier.procfs import PM_PFN_MASK, PM_PRESENT, Pagemap
-from kvtier.sources import accessbits as ab
+from kvtier.kernel.native import PAGE_SIZE
+from kvtier.kernel.procfs import PM_PFN_MASK, PM_PRESENT, Pagemap
+from kvtier.kernel.sources import accessbits as ab
 
 pytestmark = pytest.mark.root
 

@@ -542,7 +542,7 @@ def test_procmap_query_agrees_with_maps_text(tmp_path):
     memory the same way (anonymous, MAP_SHARED anonymous, memfd, /dev/shm)."""
     import mmap as _mmap
 
-    from kvtier import procfs, procmap
+    from kvtier.kernel import procfs, procmap
     from kvtier.errors import RangeNotMapped
 
     pid = os.getpid()

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from kvchild import KVChild
-from kvtier import native
+from kvtier.kernel import native
 from kvtier.errors import InvalidArgument, PermissionDenied, ProcessGone, RangeNotMapped
-from kvtier.migrator import Migrator
-from kvtier.procfs import PM_PRESENT, PM_SWAP, Pagemap
+from kvtier.kernel.migrator import Migrator
+from kvtier.kernel.procfs import PM_PRESENT, PM_SWAP, Pagemap
 
 pytestmark = pytest.mark.root
 

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from kvchild import KVChild
-from kvtier import native
+from kvtier.kernel import native
 from kvtier.blocks import BlockTable
-from kvtier.procfs import PM_SWAP, Pagemap
-from kvtier.sources.perf import LoadSampleSource, MajorFaultSource
+from kvtier.kernel.procfs import PM_SWAP, Pagemap
+from kvtier.kernel.sources.perf import LoadSampleSource, MajorFaultSource
 
 pytestmark = pytest.mark.root
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier import native, sysfs
-from kvtier import topology as topo
+from kvtier.kernel import native, sysfs
+from kvtier.kernel import topology as topo
 
 pytestmark = pytest.mark.root
 

@@ -15,9 +15,9 @@ import pytest
 
 from kvtier.blocks import BlockTable
 from kvtier.errors import ConfigError, KvtierOSError
-from kvtier.native import PAGE_SIZE
-from kvtier.sources import damon as dm
-from kvtier.sysfs_io import SysfsIO, busy_delays
+from kvtier.kernel.native import PAGE_SIZE
+from kvtier.kernel.sources import damon as dm
+from kvtier.kernel.sysfs_io import SysfsIO, busy_delays
 
 P = PAGE_SIZE
 MIB = 1 << 20
@@ -336,7 +336,7 @@ def test_writer_real_writes_and_missing_file(tmp_path):
 
 def test_mean_over_blocks_matches_bytewise_reference():
     rng = np.random.default_rng(7)
-    from kvtier.sources.base import BlockIndex
+    from kvtier.kernel.sources.base import BlockIndex
 
     t = table_of((1, 5, 1000, 10_000, 700), (2, 5, 50_000, 3_000, 1000))
     idx = BlockIndex(t)

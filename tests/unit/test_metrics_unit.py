@@ -13,7 +13,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtier import metrics, topology
+from kvtier import metrics
+
+from kvtier.kernel import topology
 from kvtier.blocks import F_UNMOVABLE, TIER_MIXED, BlockTable
 from kvtier.errors import ConfigError
 from kvtier.hotness import Temperature

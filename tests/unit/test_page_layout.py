@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from kvtier.errors import InvalidArgument
-from kvtier.migrator import page_layout
+from kvtier.kernel.migrator import page_layout
 
 P = 4096
 

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from kvtier.blocks import BlockTable
-from kvtier.native import PAGE_SIZE
-from kvtier.procfs import PM_PRESENT
-from kvtier.sources import accessbits as ab
-from kvtier.sources import perf as pf
-from kvtier.sources.base import BlockIndex, Observation, Source
+from kvtier.kernel.native import PAGE_SIZE
+from kvtier.kernel.procfs import PM_PRESENT
+from kvtier.kernel.sources import accessbits as ab
+from kvtier.kernel.sources import perf as pf
+from kvtier.kernel.sources.base import BlockIndex, Observation, Source
 
 P = PAGE_SIZE
 
@@ -251,7 +251,7 @@ def test_access_bits_source_unavailable_without_root_or_files(tmp_path):
 
 
 def test_build_from_config_and_probe_table(tmp_path):
-    from kvtier import sources
+    from kvtier.kernel import sources
     from kvtier.errors import ConfigError
 
     srcs = sources.build({"damon": {"aggr_us": 200_000}, "perf": {"enabled": False}},
@@ -272,8 +272,8 @@ def test_build_from_config_and_probe_table(tmp_path):
 
 
 def test_access_bits_stand_down_where_damon_runs():
-    from kvtier import sources
-    from kvtier.sources.base import Availability
+    from kvtier.kernel import sources
+    from kvtier.kernel.sources.base import Availability
 
     class Fake(Source):
         def __init__(self, name, ok):

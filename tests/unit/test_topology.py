@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier import sysfs
-from kvtier import topology as topo
+from kvtier.kernel import sysfs
+from kvtier.kernel import topology as topo
 from kvtier.errors import ConfigError, InvalidArgument
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from kvtier.blocks import BlockTable
-from kvtier.sources import damon as dm
-from kvtier.sysfs_io import SysfsIO
+from kvtier.kernel.sources import damon as dm
+from kvtier.kernel.sysfs_io import SysfsIO
 from vmhelpers import MiB
 
 pytestmark = pytest.mark.vm

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier import native
+from kvtier.kernel import native
 from vmhelpers import (
     CXL_DEVICES, CXL_NODE, DAX_DEVICES, DRAM_NODE, FAR_NODE, MEMORY_TIERS, MiB, NODE_DIR, SWAP_DISK,
     SYS, node_mem_total, parse_list, read,

@@ -10,10 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvtier import native
-from kvtier.migrator import Migrator
-from kvtier.procfs import PM_PRESENT, PM_SWAP, Pagemap
-from kvtier.topology import KIND_CXL, KIND_DRAM, KIND_FAR, KIND_SWAP, discover
+from kvtier.kernel import native
+from kvtier.kernel.migrator import Migrator
+from kvtier.kernel.procfs import PM_PRESENT, PM_SWAP, Pagemap
+from kvtier.kernel.topology import KIND_CXL, KIND_DRAM, KIND_FAR, KIND_SWAP, discover
 from vmhelpers import (
     CXL_NODE, DRAM_NODE, FAR_NODE, MEMORY_TIERS, MiB, SWAP_DISK, block_ranges, numa_maps_nodes,
     parse_list, read,

@@ -26,10 +26,10 @@ import numpy as np
 import pytest
 import waiting
 
-from kvtier import native
+from kvtier.kernel import native
 from kvtier import protocol as P
 from kvtier.client import Client
-from kvtier.procfs import PM_SWAP, Pagemap
+from kvtier.kernel.procfs import PM_SWAP, Pagemap
 from vmhelpers import CXL_NODE, DRAM_NODE, FAR_NODE, MiB, numa_maps_nodes
 
 pytestmark = pytest.mark.vmsystemd

@@ -19,7 +19,7 @@ after 60 ticks); the migrator now reports it as a retryable failure, and the
 DAMON-only run keeps swap too (measured 8/49 and 11/47 ticks per phase).
 
 Placement is read from the kernel (move_pages status and pagemap through
-kvtier.migrator residency), never from the daemon's view. Convergence is
+kvtier.kernel.migrator residency), never from the daemon's view. Convergence is
 counted in daemon ticks (its ``ticks_total``), not seconds: the limits below
 are a 2-3x margin over what the guest measured, since TCG on a shared 2-core
 host runs at very different speeds from run to run.
@@ -41,9 +41,9 @@ import pytest
 
 from vmhelpers import DRAM_NODE, FAR_NODE, KVChild, block_ranges
 
-from kvtier import topology
+from kvtier.kernel import topology
 from kvtier.client import Client
-from kvtier.migrator import Migrator
+from kvtier.kernel.migrator import Migrator
 
 pytestmark = pytest.mark.vm
 

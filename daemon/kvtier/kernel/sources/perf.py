@@ -35,13 +35,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtier import native
+from kvtier.kernel import native
 from kvtier.blocks import BlockTable
 from kvtier.errors import KvtierOSError, PermissionDenied
 from kvtier.hotness import SOURCE_WEIGHTS
-from kvtier.sources.base import Availability, BlockIndex, Observation, Source
+from kvtier.kernel.sources.base import Availability, BlockIndex, Observation, Source
 
-log = logging.getLogger("kvtier.sources.perf")
+log = logging.getLogger("kvtier.kernel.sources.perf")
 
 PERF_PARANOID = "sys/kernel/perf_event_paranoid"  # below the proc root
 EVENT_SOURCE_DEVICES = "bus/event_source/devices"  # below the sys root

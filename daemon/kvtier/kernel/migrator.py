@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvtier import native
+from kvtier.kernel import native
 from kvtier.errors import InvalidArgument, os_error
-from kvtier import procmap
-from kvtier.procfs import PM_PRESENT, PM_SWAP, Pagemap
+from kvtier.kernel import procmap
+from kvtier.kernel.procfs import PM_PRESENT, PM_SWAP, Pagemap
 
 # Pages per move_pages call: large enough that syscall overhead vanishes,
 # small enough that one call does not hold the target's mmap lock for long.

@@ -22,7 +22,7 @@ import fcntl
 import os
 import struct
 
-from kvtier import procfs
+from kvtier.kernel import procfs
 from kvtier.errors import PermissionDenied, ProcessGone, os_error
 
 # include/uapi/linux/fs.h

@@ -53,7 +53,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from kvtier import sysfs as k
+from kvtier.kernel import sysfs as k
 from kvtier.blocks import TIER_UNKNOWN
 from kvtier.errors import ConfigError, InvalidArgument, KvtierOSError
 

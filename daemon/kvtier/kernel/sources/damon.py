@@ -40,11 +40,11 @@ import numpy as np
 from kvtier.blocks import BlockTable
 from kvtier.errors import ConfigError, KvtierError, KvtierOSError
 from kvtier.hotness import SOURCE_WEIGHTS
-from kvtier.native import PAGE_SIZE
-from kvtier.sources.base import Availability, BlockIndex, Observation, Source
-from kvtier.sysfs_io import SysfsIO
+from kvtier.kernel.native import PAGE_SIZE
+from kvtier.kernel.sources.base import Availability, BlockIndex, Observation, Source
+from kvtier.kernel.sysfs_io import SysfsIO
 
-log = logging.getLogger("kvtier.sources.damon")
+log = logging.getLogger("kvtier.kernel.sources.damon")
 
 # Paths relative to the sysfs root.
 DAMON_ADMIN = "kernel/mm/damon/admin"

@@ -16,7 +16,7 @@ import re
 from kvtier.errors import KvtierOSError, os_error
 
 # ---------------------------------------------------------------------------
-# Kernel file names read by kvtier.topology, relative to the sysfs/procfs
+# Kernel file names read by kvtier.kernel.topology, relative to the sysfs/procfs
 # root. They live here (a module with no third-party imports) so that
 # scripts/capture_fixtures.py copies exactly the files discovery reads, even
 # when it runs under a bare system Python inside the QEMU guest.

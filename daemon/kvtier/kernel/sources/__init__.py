@@ -18,11 +18,11 @@ from __future__ import annotations
 from typing import Any
 
 from kvtier.errors import ConfigError
-from kvtier.sources.accessbits import AccessBitSource
-from kvtier.sources.base import Availability, BlockIndex, Observation, Source
-from kvtier.sources.damon import DamonParams, DamonSource
-from kvtier.sources.perf import LoadSampleSource, MajorFaultSource
-from kvtier.sysfs_io import SysfsIO
+from kvtier.kernel.sources.accessbits import AccessBitSource
+from kvtier.kernel.sources.base import Availability, BlockIndex, Observation, Source
+from kvtier.kernel.sources.damon import DamonParams, DamonSource
+from kvtier.kernel.sources.perf import LoadSampleSource, MajorFaultSource
+from kvtier.kernel.sysfs_io import SysfsIO
 
 __all__ = [
     "Availability", "BlockIndex", "Observation", "Source", "build", "probe_all", "SECTIONS",

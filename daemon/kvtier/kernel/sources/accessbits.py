@@ -40,9 +40,9 @@ import numpy as np
 from kvtier.blocks import BlockTable
 from kvtier.errors import KvtierError, KvtierOSError, os_error
 from kvtier.hotness import SOURCE_WEIGHTS
-from kvtier.native import PAGE_SIZE
-from kvtier.procfs import PM_PFN_MASK, PM_PRESENT, Pagemap, clear_refs
-from kvtier.sources.base import Availability, BlockIndex, Observation, Source
+from kvtier.kernel.native import PAGE_SIZE
+from kvtier.kernel.procfs import PM_PFN_MASK, PM_PRESENT, Pagemap, clear_refs
+from kvtier.kernel.sources.base import Availability, BlockIndex, Observation, Source
 
 PAGE_IDLE_BITMAP = "kernel/mm/page_idle/bitmap"  # below the sys root
 KPAGEFLAGS = "kpageflags"  # below the proc root
