@@ -37,6 +37,7 @@ from kvtier.blocks import BlockTable
 from kvtier.engine import Engine
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.kernel.migrator import Migrator
+from kvtier.kernel.procmap import ProcProcesses
 from kvtier.registry import Limits, Registry
 from kvtier.sdnotify import Notifier
 from kvtier.server import ControlAPI, PidfdWatcher, Server, listen_fds
@@ -138,8 +139,8 @@ class Daemon:
         self.table = BlockTable()
         self.temperature = hotness.Temperature(tau_of(cfg))
         self.watcher = PidfdWatcher(loop)
-        self.registry = Registry(self.table, limits_of(cfg), self.stats, self.temperature, self.watcher,
-                                 proc_root=d.proc_root, on_change=self._state_dirty)
+        self.registry = Registry(self.table, limits_of(cfg), self.stats, self.temperature,
+                                 ProcProcesses(d.proc_root), self.watcher, on_change=self._state_dirty)
         self.topology = topo_mod.discover(d.sys_root, d.proc_root, cfg.extra.get("topology") or None)
         for t in self.topology.tiers:
             logs.event(log, "tier_discovered", tier=t.name, index=t.index, kind=t.kind,

@@ -24,7 +24,6 @@ that list and ``METRICS`` equal.
 
 from __future__ import annotations
 
-import bisect
 import math
 import threading
 from dataclasses import dataclass
@@ -44,15 +43,11 @@ from prometheus_client.exposition import start_http_server
 
 from kvtier.blocks import F_MANUAL_PIN, F_UNMOVABLE, TIER_MIXED, TIER_UNKNOWN
 from kvtier.errors import ConfigError
+from kvtier.stats import MIGRATION_BUCKETS, TICK_BUCKETS, Histogram, le_label
 
 DEFAULT_ADDRESS = "127.0.0.1"
 DEFAULT_PORT = 9464  # the port Prometheus' own exporter list keeps for OpenTelemetry-style exporters
 
-# Bucket bounds. Migration batches under TCG take 10 ms..seconds, on real
-# hardware 100 us..100 ms; one set of log-spaced bounds covers both.
-MIGRATION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
-                     0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-TICK_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 # Temperature is a decayed access count: a block read r times a second
 # settles at r * tau (hotness.py), so decades span idle to every-decode-step.
 TEMP_BUCKETS = (0.0, 0.01, 0.1, 1.0, 10.0, 100.0, 1000.0, 10000.0)
@@ -91,41 +86,6 @@ class MetricsConfig:
         if not cfg.address:
             raise ConfigError("metrics.address: must not be empty")
         return cfg
-
-
-# ---------------------------------------------------------------------------
-# a plain histogram for DaemonStats to fill (no prometheus objects in stats)
-
-
-class Histogram:
-    """Cumulative bucket counts, filled on the loop thread, read at scrape.
-
-    Kept free of prometheus_client so DaemonStats stays a plain object;
-    the collector turns it into a HistogramMetricFamily.
-    """
-
-    def __init__(self, bounds: Iterable[float]):
-        self.bounds = tuple(float(b) for b in bounds)
-        self.counts = [0] * (len(self.bounds) + 1)  # last: above every bound
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def buckets(self) -> list[tuple[str, int]]:
-        """(le, cumulative count) pairs as Prometheus wants them, +Inf last."""
-        out, acc = [], 0
-        for b, c in zip(self.bounds + (math.inf,), self.counts):
-            acc += c
-            out.append((_le(b), acc))
-        return out
-
-
-def _le(b: float) -> str:
-    return "+Inf" if math.isinf(b) else repr(float(b))
 
 
 # ---------------------------------------------------------------------------
@@ -314,7 +274,7 @@ class Collector:
         counts = np.searchsorted(np.asarray(TEMP_BUCKETS), temp, side="left")
         per = np.bincount(counts, minlength=len(TEMP_BUCKETS) + 1)
         cum = np.cumsum(per)
-        hist.add_metric([], [(_le(b), int(c)) for b, c in zip(TEMP_BUCKETS + (math.inf,), cum)],
+        hist.add_metric([], [(le_label(b), int(c)) for b, c in zip(TEMP_BUCKETS + (math.inf,), cum)],
                         gsum_value=float(temp.sum()))
         yield hist
 

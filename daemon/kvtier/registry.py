@@ -23,7 +23,6 @@ import numpy as np
 
 from kvtier import logs
 
-from kvtier.kernel import procfs, procmap
 from kvtier.blocks import (
     F_KEEP_DRAM,
     F_MANUAL_PIN,
@@ -60,6 +59,17 @@ class PidWatcher(Protocol):
     def watch(self, pid: int, on_exit: Callable[[int], None]) -> None: ...
 
     def unwatch(self, pid: int) -> None: ...
+
+
+class ProcessChecker(Protocol):
+    """What the registry needs to know about processes (kernel/procfs.py's
+    ``ProcProcesses`` reads /proc; tests may pass their own)."""
+
+    def start_time(self, pid: int) -> int: ...
+
+    def check_range(self, pid: int, start: int, length: int) -> None: ...
+
+    def alive(self, pid: int, start_time: int | None) -> bool: ...
 
 
 @dataclass
@@ -105,8 +115,8 @@ class Registry:
         limits: Limits,
         stats: DaemonStats,
         temperature: Temperature,
+        processes: ProcessChecker,
         watcher: PidWatcher | None = None,
-        proc_root: str = "/proc",
         on_change: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
@@ -115,7 +125,7 @@ class Registry:
         self.stats = stats
         self.temperature = temperature
         self.watcher = watcher
-        self.proc_root = proc_root
+        self.processes = processes
         self.on_change = on_change or (lambda: None)
         self.clock = clock
         self.regions: dict[int, Region] = {}
@@ -189,10 +199,10 @@ class Registry:
         # trusted: read the start time, then the maps, then the start time
         # again is unnecessary because the pidfd opened by watch() below pins
         # the identity; a mismatch with a remembered start time means reuse.
-        live_start = procfs.read_start_time(pid, self.proc_root)
+        live_start = self.processes.start_time(pid)
         if start_time is not None and live_start != start_time:
             raise ProcessGone(errno.ESRCH, f"adopt pid {pid}", "pid was reused by another process")
-        procmap.check_range(pid, start, length, self.proc_root)
+        self.processes.check_range(pid, start, length)
         if pid not in self.by_pid and self.watcher is not None:
             self.watcher.watch(pid, self.drop_pid)
         if region_id is None:
@@ -393,6 +403,6 @@ class Registry:
         unavailable)."""
         gone = [
             pid for pid, st in self.pid_start.items()
-            if not procfs.process_alive(pid, st, self.proc_root)
+            if not self.processes.alive(pid, st)
         ]
         return sum(self.drop_pid(pid) for pid in gone)

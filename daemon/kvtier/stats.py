@@ -8,11 +8,55 @@ thread, and a reader on another thread sees at worst a value one update old.
 
 from __future__ import annotations
 
+import bisect
 import collections
+import math
 import time
 from dataclasses import dataclass, field
+from typing import Iterable
 
-from kvtier.metrics import MIGRATION_BUCKETS, TICK_BUCKETS, Histogram
+# Bucket bounds. Migration batches under TCG take 10 ms..seconds, on real
+# hardware 100 us..100 ms; one set of log-spaced bounds covers both.
+MIGRATION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+                     0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+TICK_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+# ---------------------------------------------------------------------------
+# a plain histogram for DaemonStats to fill (stats imports no prometheus_client;
+# kvtier.metrics turns it into a HistogramMetricFamily)
+
+
+class Histogram:
+    """Cumulative bucket counts, filled on the loop thread, read at scrape.
+
+    Kept free of prometheus_client so DaemonStats stays a plain object;
+    the collector turns it into a HistogramMetricFamily.
+    """
+
+    def __init__(self, bounds: Iterable[float]):
+        self.bounds = tuple(float(b) for b in bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # last: above every bound
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def buckets(self) -> list[tuple[str, int]]:
+        """(le, cumulative count) pairs as Prometheus wants them, +Inf last."""
+        out, acc = [], 0
+        for b, c in zip(self.bounds + (math.inf,), self.counts):
+            acc += c
+            out.append((le_label(b), acc))
+        return out
+
+
+def le_label(b: float) -> str:
+    return "+Inf" if math.isinf(b) else repr(float(b))
+
+
 
 
 @dataclass

@@ -20,6 +20,7 @@ from kvtier.blocks import F_UNMOVABLE, TIER_MIXED, BlockTable
 from kvtier.errors import ConfigError
 from kvtier.hotness import Temperature
 from kvtier.registry import Limits, Registry
+from kvtier.kernel.procmap import ProcProcesses
 from kvtier.stats import DaemonStats
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,7 +43,7 @@ def daemon_state():
     stats = DaemonStats()
     table_reg = Registry(
         table=BlockTable(),
-        limits=Limits(), stats=stats, temperature=Temperature(10.0), clock=Clock(),
+        limits=Limits(), stats=stats, temperature=Temperature(10.0), processes=ProcProcesses(), clock=Clock(),
     )
     regs = []
     for i, (b, tenant) in enumerate(zip(bufs, ("alice", "bob"))):

@@ -91,3 +91,20 @@ def check_range(pid: int, start: int, length: int, proc_root: str = "/proc", *, 
     except _Unsupported:
         maps = procfs.read_maps(pid, proc_root)
     procfs.check_range(maps, start, length, kv_only=kv_only)
+
+
+class ProcProcesses:
+    """The registry's ``ProcessChecker`` over a /proc tree: start time from
+    /proc/PID/stat, ranges checked with PROCMAP_QUERY (maps as fallback)."""
+
+    def __init__(self, proc_root: str = "/proc"):
+        self.proc_root = proc_root
+
+    def start_time(self, pid: int) -> int:
+        return procfs.read_start_time(pid, self.proc_root)
+
+    def check_range(self, pid: int, start: int, length: int) -> None:
+        check_range(pid, start, length, self.proc_root)
+
+    def alive(self, pid: int, start_time: int | None) -> bool:
+        return procfs.process_alive(pid, start_time, self.proc_root)
