@@ -71,7 +71,7 @@ OPTIONS: tuple[Option, ...] = (
            choices=("debug", "info", "warning", "error")),
     # -- security -------------------------------------------------------
     Option("security", "admin_group", str, "",
-           "Members may register memory of other processes and run migrate/pin; root always may."),
+           "Members act as root on the socket: register any process's memory, use any region; root always may."),
     # -- limits ---------------------------------------------------------
     Option("limits", "max_regions_per_process", int, 4096,
            "Registered regions one process may hold.", 1, 1 << 20),

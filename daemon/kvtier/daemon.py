@@ -174,7 +174,7 @@ class Daemon:
             admin_group=cfg.security.admin_group, max_message_bytes=lim.max_message_bytes,
             requests_per_second=lim.requests_per_second, request_burst=lim.request_burst,
             max_connections=lim.max_connections, max_connections_per_uid=lim.max_connections_per_uid,
-            inherited_fds=self.inherited_fds,
+            inherited_fds=self.inherited_fds, proc_root=d.proc_root,
         )
 
     # -- state file ------------------------------------------------------

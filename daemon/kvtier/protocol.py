@@ -86,7 +86,8 @@ class Register(Request, tag="register"):
     tenant: TenantName = ""
     priority: Priority = 0
     constraints: Annotated[list[Constraint], Meta(max_length=8)] = []
-    # Register memory of another process: root / admin_group only.
+    # Register memory of another process: one of the caller's own uid, or
+    # any if the caller is root / admin_group.
     pid: Pid | None = None
 
 
@@ -162,8 +163,6 @@ AnyRequest = Union[
 ]
 REQUEST_TYPES: tuple[type[Request], ...] = AnyRequest.__args__  # type: ignore[attr-defined]
 OPS = {t.__struct_config__.tag: t for t in REQUEST_TYPES}
-# Ops that change placement or another client's state: owner, root or admin.
-OPERATOR_OPS = frozenset({"migrate", "pin", "unpin"})
 
 
 class ErrorBody(msgspec.Struct, omit_defaults=True):

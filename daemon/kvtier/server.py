@@ -22,18 +22,18 @@ import grp
 import logging
 import os
 import pwd
+import select
 import socket
 import stat
 import struct
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
 from kvtier import logs, protocol as P
 
-from kvtier.kernel import native
+from kvtier.kernel import native, procfs
 from kvtier.errors import KvtierError, KvtierOSError, PermissionDenied, ProcessGone, os_error
 from kvtier.registry import Region, Registry
 from kvtier.stats import DaemonStats
@@ -48,12 +48,89 @@ _PEERCRED = struct.Struct("3i")
 WRITE_HIGH_WATER = 4 * 1024 * 1024
 
 
-@dataclass(frozen=True)
+# Linux 6.5 (include/uapi/asm-generic/socket.h); Python 3.11 lacks the name.
+SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)
+
+
+def _exited(pidfd: int) -> bool:
+    """A pidfd polls readable once its process has exited; a zombie counts as
+    gone (its pid is reused the moment it is reaped). poll, not select: the
+    daemon's fds go past FD_SETSIZE."""
+    p = select.poll()
+    p.register(pidfd, select.POLLIN)
+    return bool(p.poll(0))
+
+
 class Peer:
-    pid: int
-    uid: int
-    gid: int
-    privileged: bool  # root or member of security.admin_group
+    """Who is at the other end of a connection.
+
+    uid and gid are SO_PEERCRED's, fixed at connect(): they are what the
+    connection is authorised by. The pid is only a name for the process that
+    connected, and pids are reused (they cycle in well under a minute on a
+    busy host), so the process is held as a pidfd taken at connect: the
+    kernel's own SO_PEERPIDFD where it has it (it refers to the connecting
+    process even if that process has since exited), else pidfd_open(pid)
+    plus the start time read at accept. ``live_pid()`` re-checks that
+    identity on every use; a pid whose process is gone is never used.
+    """
+
+    __slots__ = ("pid", "uid", "gid", "privileged", "pidfd", "kernel_pidfd", "start_time", "proc_root")
+
+    def __init__(self, pid: int, uid: int, gid: int, privileged: bool, pidfd: int = -1,
+                 start_time: int | None = None, proc_root: str = "/proc", kernel_pidfd: bool = False):
+        self.pid = pid
+        self.uid = uid
+        self.gid = gid
+        self.privileged = privileged  # root or member of security.admin_group
+        self.pidfd = pidfd
+        self.kernel_pidfd = kernel_pidfd  # from SO_PEERPIDFD: the connecting process by construction
+        self.start_time = start_time
+        self.proc_root = proc_root
+
+    @classmethod
+    def of_socket(cls, sock: socket.socket, admin_gid: int | None, proc_root: str = "/proc") -> "Peer":
+        pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        privileged = is_privileged(uid, gid, admin_gid)
+        pidfd = -1
+        kernel_pidfd = False
+        try:
+            pidfd = sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+            kernel_pidfd = True
+        except OSError:  # ENOPROTOOPT before 6.5
+            if native.HAS_PIDFD_OPEN and pid > 0:
+                try:
+                    pidfd = native.pidfd_open(pid)
+                except KvtierOSError:
+                    pidfd = -1  # already gone: live_pid() will say so
+        try:
+            start = procfs.read_start_time(pid, proc_root) if pid > 0 else None
+        except (KvtierError, OSError):
+            start = None
+        return cls(pid, uid, gid, privileged, pidfd, start, proc_root, kernel_pidfd)
+
+    def alive(self) -> bool:
+        """The process that connected still runs under ``pid``."""
+        if self.pidfd >= 0 and _exited(self.pidfd):
+            return False
+        if self.kernel_pidfd:
+            return True
+        # pidfd_open after accept (or no pidfd at all) could have caught a
+        # successor that reused the pid in between: the start time decides.
+        if self.start_time is None:
+            return False
+        return procfs.process_alive(self.pid, self.start_time, self.proc_root)
+
+    def live_pid(self) -> int:
+        if not self.alive():
+            raise ProcessGone(errno.ESRCH, f"use pid {self.pid} of this connection",
+                              "the process that opened the connection has exited; its pid may belong "
+                              "to another process now")
+        return self.pid
+
+    def close(self) -> None:
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
 
 
 def group_gid(name: str) -> int | None:
@@ -117,12 +194,52 @@ class ControlAPI:
     # -- authorisation ---------------------------------------------------
 
     def _own(self, peer: Peer, region_id: int) -> Region:
-        """The region, if ``peer`` registered it, runs as its owner, or is privileged."""
+        """The region, if ``peer``'s uid registered it or ``peer`` is privileged.
+
+        Never by pid: the pid a connection was opened from may since belong
+        to another process (pid reuse) or to a setuid program the client
+        exec'd; the uid of the connection cannot change."""
         reg = self.registry.get(region_id)
-        if peer.pid == reg.pid or peer.uid == reg.owner_uid or peer.privileged:
+        if peer.uid == reg.owner_uid or peer.privileged:
             return reg
         raise PermissionDenied(errno.EPERM, f"access region {region_id}",
                                f"owned by uid {reg.owner_uid}, you are uid {peer.uid}")
+
+    def _register_target(self, peer: Peer, pid: int | None) -> tuple[int, int]:
+        """(pid, start time) of the process whose memory a register names.
+
+        The connecting process by default, re-checked through its pidfd. An
+        unprivileged peer may only name a process whose real and effective
+        uid are its own (a setuid program it exec'd is not). The uid and
+        start time are read while a pidfd holds the process, and the pidfd is
+        checked afterwards, so both belong to one process, not a successor."""
+        own = pid is None or pid == peer.pid
+        if own:
+            pid = peer.live_pid()
+            pidfd = -1
+        else:
+            try:
+                pidfd = native.pidfd_open(pid) if native.HAS_PIDFD_OPEN else -1
+            except KvtierOSError as e:
+                raise ProcessGone(e.errno or errno.ESRCH, f"register memory of pid {pid}",
+                                  "no such process") from None
+        try:
+            if not peer.privileged:
+                ruid, euid = procfs.read_uids(pid, peer.proc_root)
+                if ruid != peer.uid or euid != peer.uid:
+                    raise PermissionDenied(
+                        errno.EPERM, f"register memory of pid {pid}",
+                        f"it runs as uid {ruid}/{euid}, you are uid {peer.uid}; only root or "
+                        "security.admin_group may register another user's memory")
+            start = procfs.read_start_time(pid, peer.proc_root)
+            if own:
+                peer.live_pid()
+            elif pidfd >= 0 and _exited(pidfd):
+                raise ProcessGone(errno.ESRCH, f"register memory of pid {pid}", "process exited")
+        finally:
+            if pidfd >= 0:
+                os.close(pidfd)
+        return pid, start
 
     # -- client ops ------------------------------------------------------
 
@@ -147,16 +264,11 @@ class ControlAPI:
         }
 
     def op_register(self, peer: Peer, req: P.Register) -> dict:
-        pid = peer.pid if req.pid is None else req.pid
-        if pid != peer.pid and not peer.privileged:
-            raise PermissionDenied(
-                errno.EPERM, f"register memory of pid {pid}",
-                "only root or security.admin_group may register another process's memory",
-            )
+        pid, start_time = self._register_target(peer, req.pid)
         reg = self.registry.add(
             pid, req.start, req.length, req.block_size, name=req.name, tenant=req.tenant,
             priority=req.priority, constraints=tuple(dict.fromkeys(req.constraints)),
-            owner_uid=peer.uid,
+            owner_uid=peer.uid, start_time=start_time,
         )
         return {"region": reg.id, "blocks": reg.nblocks, "block_size": reg.block_size, "pid": pid}
 
@@ -216,7 +328,7 @@ class ControlAPI:
         for r in self.registry.regions.values():
             if req.pid is not None and r.pid != req.pid:
                 continue
-            if not (peer.privileged or r.owner_uid == peer.uid or r.pid == peer.pid):
+            if not (peer.privileged or r.owner_uid == peer.uid):
                 continue
             d = r.to_dict()
             tiers = table.region_view(r.id, "tier")
@@ -296,8 +408,7 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         sock = transport.get_extra_info("socket")
-        pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-        self.peer = Peer(pid, uid, gid, is_privileged(uid, gid, self.server.admin_gid))
+        self.peer = Peer.of_socket(sock, self.server.admin_gid, self.server.proc_root)
         refuse = self.server.admit(self)
         if refuse:
             self._fail(P.ProtocolError(P.E_LIMIT, refuse, fatal=True))
@@ -306,6 +417,8 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.release(self)
+        if self.peer is not None:
+            self.peer.close()
 
     # Backpressure: when the client stops reading responses, stop reading requests.
     def pause_writing(self) -> None:
@@ -454,6 +567,7 @@ class Server:
         max_connections: int = 1024,
         max_connections_per_uid: int = 128,
         inherited_fds: list[int] | None = None,
+        proc_root: str = "/proc",
     ):
         self.api = api
         self.stats = stats
@@ -467,6 +581,7 @@ class Server:
         self.max_connections = max_connections
         self.max_connections_per_uid = max_connections_per_uid
         self.inherited_fds = inherited_fds or []
+        self.proc_root = proc_root
         self.activated = bool(self.inherited_fds)
         self.conns: set[Connection] = set()
         self.per_uid: dict[int, int] = {}
