@@ -31,7 +31,6 @@ import msgspec
 import numpy as np
 
 from kvtier import protocol as P
-from kvtier.config import DEFAULT_SOCKET
 
 ENV_SOCKET = "KVTIER_SOCKET"
 # Unanswered pipelined requests before the client stops to read answers, so
@@ -174,7 +173,7 @@ class Client:
         name: str = "",
         connect: bool = True,
     ):
-        self.path = path or os.environ.get(ENV_SOCKET) or DEFAULT_SOCKET
+        self.path = path or os.environ.get(ENV_SOCKET) or P.DEFAULT_SOCKET
         self.timeout = timeout
         self.reconnect_timeout = reconnect_timeout
         self.hint_batch = hint_batch

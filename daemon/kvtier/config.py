@@ -1,26 +1,48 @@
 """kvtierd configuration: one table of every option, parsed from TOML.
 
-``OPTIONS`` is the only place an option is named: its section, key, type,
-default, bounds and a one-line doc. The loader, the validator, the sample
-config test and ``kvtierctl config`` all read that table, so a new option is
-one new row. Validation runs before the daemon's loop starts and every error
-names the offending key (``limits.max_message_bytes: must be >= 4096``).
+``OPTIONS`` is the only place an option is named: its table (``daemon``,
+``hotness.damon``, ...), key, type, default, bounds and a one-line doc.
+``from_dict`` validates a whole document against it in one pass, so every
+error names the offending key (``limits.max_message_bytes: must be >= 4096``)
+and no value reaches a component with the wrong type. The sample config,
+``-s a.b.c=v`` overrides and the tests all read the same table, so a new
+option is one new row.
 
-Sections owned by other components (``policy``, ``topology``, ``hotness``)
-are passed through as raw tables; their owners validate them.
+Defaults are not copied here: the policy's come from ``PolicyConfig``, the
+exporter's from ``MetricsConfig``, DAMON's from ``DamonParams`` and the other
+sources' from their constructors' keyword defaults. A unit test checks that
+every field of those dataclasses has its row.
+
+What one value cannot show (``low_wm <= high_wm``, DAMON's interval order, a
+topology whose first tier is DRAM) is checked by the owner's constructor,
+which ``from_dict`` calls once per table (``TABLE_CHECKS``), so a config that
+loads is a config the daemon can build.
 """
 
 from __future__ import annotations
 
+import grp
+import inspect
+import math
+import textwrap
 import tomllib
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 from kvtier.errors import ConfigError
+from kvtier.hotness import DEFAULT_TAU_S
+from kvtier.kernel import sources
+from kvtier.kernel import topology
+from kvtier.kernel.sources.accessbits import MODES as ACCESS_BIT_MODES
+from kvtier.kernel.sources.accessbits import AccessBitSource
+from kvtier.kernel.sources.damon import DamonParams
+from kvtier.kernel.sources.perf import LoadSampleSource, MajorFaultSource
+from kvtier.metrics import MetricsConfig
+from kvtier.policy import PolicyConfig
+from kvtier.protocol import DEFAULT_MAX_MESSAGE, DEFAULT_SOCKET
 
 DEFAULT_PATH = "/etc/kvtierd/kvtierd.toml"
-DEFAULT_SOCKET = "/run/kvtierd/kvtierd.sock"
 DEFAULT_STATE = "/var/lib/kvtierd/state.json"
 
 KIB = 1024
@@ -28,32 +50,125 @@ MIB = 1024 * KIB
 GIB = 1024 * MIB
 TIB = 1024 * GIB
 
-# Free-form sections handed to their owning modules unvalidated here.
-PASSTHROUGH = ("policy", "topology", "hotness", "metrics")
+# How types are named in messages and in the sample config: TOML's words.
+_TYPE_NAMES = {bool: "bool", int: "int", float: "float", str: "str", list: "array", dict: "table"}
 
 
 @dataclass(frozen=True)
 class Option:
+    """One config key. ``type`` is bool, int, float, str, list (a TOML array of
+    ``item``) or dict (a TOML table of ``item`` values), or a tuple of these.
+    ``lo``/``hi`` bound a number, the length of a string, or each item of a
+    list or table; ``lo_open`` makes ``lo`` exclusive. ``int_keys``: a table's
+    keys must be integers (tier indices). ``check`` validates what a type
+    cannot say and raises ConfigError."""
+
     section: str
     name: str
-    type: type
+    type: Any
     default: Any
     doc: str
     lo: float | None = None
     hi: float | None = None
+    lo_open: bool = False
     choices: tuple[str, ...] | None = None
+    item: type | None = None
+    int_keys: bool = False
+    check: Callable[[Any], Any] | None = None
 
     @property
     def key(self) -> str:
         return f"{self.section}.{self.name}"
 
+    def type_name(self) -> str:
+        types = self.type if isinstance(self.type, tuple) else (self.type,)
+        name = " or ".join(_TYPE_NAMES[t] for t in types)
+        if self.item is not None:
+            name += f" of {_TYPE_NAMES[self.item]}"
+        return name
+
+    def bounds_text(self) -> str:
+        out = []
+        if self.type is str:
+            if self.lo:
+                out.append("not empty")
+        else:
+            if self.lo is not None:
+                out.append(f"{'>' if self.lo_open else '>='} {_num(self.lo)}")
+            if self.hi is not None:
+                out.append(f"<= {_num(self.hi)}")
+        if self.choices:
+            out.append("one of " + ", ".join(self.choices))
+        return "; ".join(out)
+
+
+def _num(x: float) -> str:
+    """A bound as an operator reads it: 1073741824, not 1.07374e+09."""
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def _field_default(cls: type, name: str) -> Any:
+    """The default of a dataclass field (``default_factory`` called)."""
+    for f in fields(cls):
+        if f.name == name:
+            if f.default is not MISSING:
+                return f.default
+            if f.default_factory is not MISSING:
+                return f.default_factory()
+            break
+    raise LookupError(f"{cls.__name__}.{name} has no default")
+
+
+def _kw_default(cls: type, name: str) -> Any:
+    """The default of a keyword argument of ``cls``'s constructor or of the
+    first base constructor that declares it (``**kw`` passes it on)."""
+    for klass in cls.__mro__:
+        param = inspect.signature(klass.__init__).parameters.get(name)
+        if param is not None and param.default is not inspect.Parameter.empty:
+            return param.default
+    raise LookupError(f"{cls.__name__}({name}=...) has no default")
+
+
+def _group_exists(name: str) -> None:
+    if name and not name.isdigit():  # a numeric gid needs no group entry
+        try:
+            grp.getgrnam(name)
+        except KeyError:
+            raise ConfigError(f"no such group {name!r}") from None
+
+
+def _power_of_two(n: int) -> None:
+    if n & (n - 1):
+        raise ConfigError(f"must be a power of two, got {n}")
+
+
+def _topology_tiers(tiers: list) -> None:
+    if tiers:
+        topology.validate_overrides({"tiers": tiers})
+
+
+def _topology_swap(swap: Any) -> None:
+    topology.validate_overrides({"swap": swap})
+
+
+def _ring_pages(section: str, cls: type) -> Option:
+    """Both perf sources take the same ring size key."""
+    return Option(section, "ring_pages", int, _kw_default(cls, "ring_pages"),
+                  "Pages of each perf ring buffer (a power of two).", 1, 1 << 16, check=_power_of_two)
+
+
+_P = PolicyConfig
+_M = MetricsConfig
+_D = DamonParams
+_SOURCE_ON = {name: on for name, (_, on) in sources.SECTIONS.items()}
 
 OPTIONS: tuple[Option, ...] = (
     # -- daemon ---------------------------------------------------------
     Option("daemon", "socket", str, DEFAULT_SOCKET,
-           "Unix socket path; ignored when systemd passes a socket (LISTEN_FDS)."),
+           "Unix socket path; ignored when systemd passes a socket (LISTEN_FDS).", lo=1),
     Option("daemon", "socket_group", str, "",
-           "Group owning the socket (clients must be in it); empty = the daemon's group."),
+           "Group owning the socket (clients must be in it); empty = the daemon's group.",
+           check=_group_exists),
     Option("daemon", "socket_mode", int, 0o660, "Permission bits of the socket.", 0, 0o777),
     Option("daemon", "state_file", str, DEFAULT_STATE,
            "Registrations persist here (atomic rename) so a restart re-adopts them; empty disables."),
@@ -63,15 +178,16 @@ OPTIONS: tuple[Option, ...] = (
            "Seconds between policy ticks (snapshot, plan, migrate).", 0.01, 3600.0),
     Option("daemon", "residency_interval", float, 10.0,
            "Seconds between full re-measurements of where every block's pages are.", 0.1, 86400.0),
-    Option("daemon", "proc_root", str, "/proc", "procfs root (tests point it elsewhere)."),
-    Option("daemon", "sys_root", str, "/sys", "sysfs root (tests point it elsewhere)."),
+    Option("daemon", "proc_root", str, "/proc", "procfs root (tests point it elsewhere).", lo=1),
+    Option("daemon", "sys_root", str, "/sys", "sysfs root (tests point it elsewhere).", lo=1),
     Option("daemon", "dry_run", bool, False,
            "Plan and record migrations but do not move any page."),
     Option("daemon", "log_level", str, "info", "Logging level.",
            choices=("debug", "info", "warning", "error")),
     # -- security -------------------------------------------------------
     Option("security", "admin_group", str, "",
-           "Members act as root on the socket: register any process's memory, use any region; root always may."),
+           "Members act as root on the socket: register any process's memory, use any region; root always may.",
+           check=_group_exists),
     # -- limits ---------------------------------------------------------
     Option("limits", "max_regions_per_process", int, 4096,
            "Registered regions one process may hold.", 1, 1 << 20),
@@ -81,7 +197,7 @@ OPTIONS: tuple[Option, ...] = (
            "Blocks in one region (per-block state costs ~64 bytes of daemon memory).", 1, 1 << 30),
     Option("limits", "max_blocks_total", int, 1 << 24,
            "Blocks across all regions: bounds the daemon's own memory.", 1, 1 << 31),
-    Option("limits", "max_message_bytes", int, 16 * MIB,
+    Option("limits", "max_message_bytes", int, DEFAULT_MAX_MESSAGE,
            "Largest request frame accepted; larger ones close the connection.", 4096, 1 << 30),
     Option("limits", "requests_per_second", float, 50000.0,
            "Sustained requests per second per connection (token bucket).", 1.0, 1e9),
@@ -90,82 +206,308 @@ OPTIONS: tuple[Option, ...] = (
     Option("limits", "max_connections", int, 1024, "Open client connections.", 1, 1 << 20),
     Option("limits", "max_connections_per_uid", int, 128,
            "Open connections of one user id.", 1, 1 << 20),
+    # -- policy (kvtier.policy.PolicyConfig; the control law is in policy.py) --
+    Option("policy", "capacity", dict, _field_default(_P, "capacity"),
+           "Per tier index: the share of the tier kvtier may fill (<= 1.0) or a byte count (> 1), "
+           "e.g. {0 = 0.8, 1 = 68719476736}; tiers not listed use their whole capacity.",
+           lo=0, lo_open=True, item=float, int_keys=True),
+    Option("policy", "high_wm", float, _P.high_wm,
+           "Fraction of a tier's capacity above which its coldest blocks are demoted.", 0, 1, lo_open=True),
+    Option("policy", "low_wm", float, _P.low_wm,
+           "Demotion stops at this fraction (<= high_wm); between the two only cold blocks go.",
+           0, 1, lo_open=True),
+    Option("policy", "promote_temp", float, _P.promote_temp,
+           "Temperature (decayed accesses) at which a block in a slower tier is promoted.", 0),
+    Option("policy", "demote_temp", float, _P.demote_temp,
+           "Below this temperature a block is cold (<= promote_temp: the hysteresis).", 0),
+    Option("policy", "margin_ratio", float, _P.margin_ratio,
+           "A promotion displaces a resident only if hotter by this ratio ...", 0),
+    Option("policy", "margin_abs", float, _P.margin_abs, "... plus this absolute margin ...", 0),
+    Option("policy", "margin_sigma", float, _P.margin_sigma,
+           "... plus this many sqrt(temperature) units of counting noise.", 0),
+    Option("policy", "min_residence_s", float, _P.min_residence_s,
+           "Seconds a block stays in a tier after a move before it may move again.", 0),
+    Option("policy", "promote_mbps", float, _P.promote_mbps,
+           "Promotion bandwidth budget, MiB/s.", 0, lo_open=True),
+    Option("policy", "demote_mbps", float, _P.demote_mbps,
+           "Demotion bandwidth budget, MiB/s.", 0, lo_open=True),
+    Option("policy", "burst_s", float, _P.burst_s,
+           "Bandwidth bucket depth in seconds of rate (at least one block).", 0),
+    Option("policy", "tenant_dram_quota", dict, _field_default(_P, "tenant_dram_quota"),
+           "Per tenant name: bytes of DRAM (tier 0) its blocks may hold, e.g. {batch = 8589934592}.",
+           lo=0, item=int),
+    Option("policy", "prefill_done_factor", float, _P.prefill_done_factor,
+           "Share of its temperature a block counts once its prompt's prefill is done.", 0, 1),
+    Option("policy", "cold_demote", bool, _P.cold_demote,
+           "Demote cold blocks between the watermarks (false: only above high_wm)."),
+    Option("policy", "backoff_base_s", float, _P.backoff_base_s,
+           "First retry delay after the kernel failed to move a block (doubles per failure).", 0),
+    Option("policy", "backoff_max_s", float, _P.backoff_max_s, "Longest retry delay.", 0),
+    Option("policy", "unmovable_after", int, _P.unmovable_after,
+           "Consecutive failed moves after which a block is marked unmovable.", 1, 1 << 20),
+    # -- topology (kvtier.kernel.topology.validate_overrides) -----------------
+    Option("topology", "tiers", list, [],
+           "Memory tiers in order, fastest first, replacing the discovered ones; empty = discover. "
+           'Each: {name = "dram", nodes = [0], kind = "dram"|"far"|"cxl", capacity = bytes} '
+           "(kind and capacity optional; the first tier must be dram).",
+           item=dict, check=_topology_tiers),
+    Option("topology", "swap", (bool, dict), True,
+           "Use swap as the slowest tier: true, false, or {enabled = true, name = \"swap\", capacity = bytes}.",
+           check=_topology_swap),
+    # -- hotness --------------------------------------------------------------
+    Option("hotness", "tau_s", float, DEFAULT_TAU_S,
+           "Seconds of memory of block temperature: a block read r times a second settles at r * tau_s.",
+           0, lo_open=True),
+    Option("hotness.damon", "enabled", bool, _SOURCE_ON["damon"],
+           "DAMON virtual-address monitoring of registered processes."),
+    Option("hotness.damon", "sample_us", int, _D.sample_us,
+           "Microseconds between access checks of each region.", 1, 1 << 40),
+    Option("hotness.damon", "aggr_us", int, _D.aggr_us,
+           "Microseconds per aggregation (>= sample_us); accesses are counted per aggregation.", 1, 1 << 40),
+    Option("hotness.damon", "update_us", int, _D.update_us,
+           "Microseconds between re-reads of the monitored address ranges (>= aggr_us).", 1, 1 << 40),
+    Option("hotness.damon", "min_nr_regions", int, _D.min_nr_regions,
+           "Fewest regions DAMON splits the address space into.", 3, 1 << 31),
+    Option("hotness.damon", "max_nr_regions", int, _D.max_nr_regions,
+           "Most regions (>= min_nr_regions): bounds DAMON's CPU cost.", 3, 1 << 31),
+    Option("hotness.access_bits", "enabled", bool, _SOURCE_ON["access_bits"],
+           "Page accessed bits (not used where DAMON runs: both would clear the same bits)."),
+    Option("hotness.access_bits", "mode", str, _kw_default(AccessBitSource, "mode"),
+           "How to read them: idle page tracking, /proc/kpageflags, or auto (the first that works).",
+           choices=("auto", *ACCESS_BIT_MODES)),
+    Option("hotness.perf_fault", "enabled", bool, _SOURCE_ON["perf_fault"],
+           "perf samples of major faults (swap-ins): which blocks are read back from swap."),
+    Option("hotness.perf_fault", "prefetch_blocks", int, _kw_default(MajorFaultSource, "prefetch_blocks"),
+           "Blocks after a faulting one to page in early (0 = none).", 0, 1 << 16),
+    _ring_pages("hotness.perf_fault", MajorFaultSource),
+    Option("hotness.perf", "enabled", bool, _SOURCE_ON["perf"],
+           "PEBS/IBS load-address samples where the CPU has them."),
+    Option("hotness.perf", "sample_period", int, _kw_default(LoadSampleSource, "sample_period"),
+           "One sample per this many loads.", 1, 1 << 40),
+    _ring_pages("hotness.perf", LoadSampleSource),
+    # -- metrics (kvtier.metrics.MetricsConfig) --------------------------------
+    Option("metrics", "enabled", bool, _M.enabled, "Serve Prometheus metrics over HTTP."),
+    Option("metrics", "address", str, _M.address,
+           "Address to listen on (loopback by default: block placement is not for every interface).", lo=1),
+    Option("metrics", "port", int, _M.port, "TCP port (0 = any free port).", 0, 65535),
+    Option("metrics", "per_region", bool, _M.per_region,
+           "Per-region series (regions x tiers of them); off keeps the per-tenant ones."),
 )
+
+SECTION_DOCS = {
+    "daemon": "The service: socket, state file, tick.",
+    "security": "Who may do what beyond their own memory.",
+    "limits": "Bounds on what clients may ask of the daemon.",
+    "policy": "Placement policy (kvtier.policy.PolicyConfig).",
+    "topology": "Tier overrides, e.g. which NUMA nodes are CXL.",
+    "hotness": "How block temperature is measured.",
+    "hotness.damon": "DAMON source.",
+    "hotness.access_bits": "Access-bit source.",
+    "hotness.perf_fault": "Major-fault sample source.",
+    "hotness.perf": "Load sample source.",
+    "metrics": "Prometheus exporter.",
+}
 
 _BY_KEY = {o.key: o for o in OPTIONS}
 SECTIONS = tuple(dict.fromkeys(o.section for o in OPTIONS))
+# Every table a document may hold: the sections and the tables above them.
+_TABLES = {".".join(s.split(".")[: i + 1]) for s in SECTIONS for i in range(s.count(".") + 1)}
+
+
+def _subtables(prefix: str) -> list[str]:
+    return [t.rpartition(".")[2] for t in sorted(_TABLES) if t.rpartition(".")[0] == prefix]
+
+
+def _known_in(prefix: str) -> str:
+    return ", ".join([o.name for o in OPTIONS if o.section == prefix] + _subtables(prefix))
 
 
 class Config:
-    """Validated options: ``cfg.daemon.socket``; raw passthrough tables in
-    ``cfg.extra['policy']`` etc.; ``cfg.source`` says where it came from."""
+    """Validated options: ``cfg.daemon.socket``, ``cfg.hotness.damon.sample_us``;
+    ``cfg.table("policy")`` is one table as a dict; ``cfg.source`` says where
+    it came from."""
 
-    def __init__(self, values: dict[str, Any], extra: dict[str, dict], source: str = "<defaults>"):
+    def __init__(self, values: dict[str, Any], source: str = "<defaults>"):
         self.values = values
-        self.extra = extra
         self.source = source
         for sec in SECTIONS:
-            setattr(
-                self,
-                sec,
-                SimpleNamespace(**{o.name: values[o.key] for o in OPTIONS if o.section == sec}),
-            )
+            ns: Any = self
+            for part in sec.split("."):
+                if not hasattr(ns, part):
+                    setattr(ns, part, SimpleNamespace())
+                ns = getattr(ns, part)
+            for o in OPTIONS:
+                if o.section == sec:
+                    setattr(ns, o.name, values[o.key])
 
     def get(self, key: str) -> Any:
         return self.values[key]
 
-    def to_dict(self) -> dict[str, dict[str, Any]]:
-        out: dict[str, dict[str, Any]] = {}
+    def table(self, section: str) -> dict[str, Any]:
+        """The options of one table (not its sub-tables), defaults filled in."""
+        return {o.name: self.values[o.key] for o in OPTIONS if o.section == section}
+
+    def changed(self, section: str) -> dict[str, Any]:
+        """The options of one table that differ from their defaults."""
+        return {o.name: self.values[o.key] for o in OPTIONS
+                if o.section == section and self.values[o.key] != o.default}
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
         for o in OPTIONS:
-            out.setdefault(o.section, {})[o.name] = self.values[o.key]
-        for sec, tbl in self.extra.items():
-            out[sec] = dict(tbl)
+            tbl = out
+            for part in o.section.split("."):
+                tbl = tbl.setdefault(part, {})
+            tbl[o.name] = self.values[o.key]
         return out
 
 
-def _check(opt: Option, value: Any) -> Any:
-    key = opt.key
-    t = opt.type
-    # TOML distinguishes int from float; accept an int where a float is wanted,
-    # never a bool where a number is wanted (bool is an int subclass).
+def _got(value: Any) -> str:
+    return f"got {_TYPE_NAMES.get(type(value), type(value).__name__)} {value!r}"
+
+
+def _scalar(key: str, t: type, value: Any) -> Any:
+    """``value`` as type ``t`` or ConfigError. TOML tells int from float:
+    an int is accepted where a float is wanted, never a bool where a number is
+    (bool is an int subclass in Python)."""
     if t is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, t) or (t is not bool and isinstance(value, bool)):
-        raise ConfigError(f"{key}: expected {t.__name__}, got {type(value).__name__} {value!r}")
-    if opt.lo is not None and value < opt.lo:
-        raise ConfigError(f"{key}: must be >= {opt.lo:g}, got {value!r}")
-    if opt.hi is not None and value > opt.hi:
-        raise ConfigError(f"{key}: must be <= {opt.hi:g}, got {value!r}")
+        raise ConfigError(f"{key}: expected {_TYPE_NAMES[t]}, {_got(value)}")
+    if t is float and not math.isfinite(value):
+        raise ConfigError(f"{key}: must be a finite number, got {value!r}")
+    return value
+
+
+def _bounded(opt: Option, key: str, value: Any) -> Any:
+    size = len(value) if isinstance(value, str) else value
+    if opt.lo is not None:
+        if isinstance(value, str) and size < opt.lo:
+            raise ConfigError(f"{key}: must not be empty")
+        if opt.lo_open and not size > opt.lo:
+            raise ConfigError(f"{key}: must be > {_num(opt.lo)}, got {value!r}")
+        if size < opt.lo:
+            raise ConfigError(f"{key}: must be >= {_num(opt.lo)}, got {value!r}")
+    if opt.hi is not None and size > opt.hi:
+        raise ConfigError(f"{key}: must be <= {_num(opt.hi)}, got {value!r}")
     if opt.choices is not None and value not in opt.choices:
         raise ConfigError(f"{key}: must be one of {', '.join(opt.choices)}, got {value!r}")
     return value
 
 
+def check_value(opt: Option, value: Any) -> Any:
+    """Validate one value against its row; returns it normalised (ints as
+    floats where floats are wanted, integer table keys as ints)."""
+    key = opt.key
+    types = opt.type if isinstance(opt.type, tuple) else (opt.type,)
+    t = next((t for t in types if isinstance(value, t) or (t is float and isinstance(value, int))), None)
+    if t is None:
+        raise ConfigError(f"{key}: expected {opt.type_name()}, {_got(value)}")
+    if t is list:
+        value = [_bounded(opt, f"{key}[{i}]", _scalar(f"{key}[{i}]", opt.item, v)) if opt.item is not dict
+                 else _scalar(f"{key}[{i}]", dict, v) for i, v in enumerate(value)]
+    elif t is dict and opt.item is not None:
+        out = {}
+        for k, v in value.items():
+            if opt.int_keys:
+                try:
+                    k = int(k)
+                except ValueError:
+                    raise ConfigError(f"{key}.{k}: keys must be integers (tier indices)") from None
+            out[k] = _bounded(opt, f"{key}.{k}", _scalar(f"{key}.{k}", opt.item, v))
+        value = out
+    elif t not in (list, dict):
+        value = _bounded(opt, key, _scalar(key, t, value))
+    if opt.check is not None:
+        try:
+            opt.check(value)
+        except ConfigError as e:
+            msg = str(e)
+            if msg.startswith(opt.name):  # "tiers[0].name: ..." from the owner
+                raise ConfigError(f"{opt.section}.{msg}") from None
+            if not msg.startswith(key):
+                raise ConfigError(f"{key}: {msg}") from None
+            raise
+    return value
+
+
+def _check_policy(cfg: Config) -> None:
+    PolicyConfig(**cfg.table("policy"))
+
+
+def _check_damon(cfg: Config) -> None:
+    DamonParams(**{k: v for k, v in cfg.table("hotness.damon").items() if k != "enabled"})
+
+
+def _check_topology(cfg: Config) -> None:
+    topology.validate_overrides(cfg.changed("topology"))
+
+
+# Invariants across the keys of one table, checked by the owner's constructor.
+TABLE_CHECKS: dict[str, Callable[[Config], None]] = {
+    "policy": _check_policy,
+    "hotness.damon": _check_damon,
+    "topology": _check_topology,
+}
+
+
+def _walk(prefix: str, tbl: dict[str, Any], values: dict[str, Any]) -> None:
+    for name, value in tbl.items():
+        key = f"{prefix}.{name}" if prefix else name
+        opt = _BY_KEY.get(key)
+        if opt is not None:
+            values[key] = check_value(opt, value)
+        elif key in _TABLES:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{key}: expected a table, {_got(value)}")
+            _walk(key, value, values)
+        elif not prefix:
+            raise ConfigError(f"{key}: unknown section (known: {_known_in('')})")
+        else:
+            raise ConfigError(f"{key}: unknown option (known in [{prefix}]: {_known_in(prefix)})")
+
+
 def from_dict(data: dict[str, Any], source: str = "<dict>") -> Config:
-    """Validate a parsed TOML document; unknown keys and sections are errors
+    """Validate a parsed TOML document; unknown keys and tables are errors
     (a typo must not silently fall back to a default)."""
     values = {o.key: o.default for o in OPTIONS}
-    extra: dict[str, dict] = {sec: {} for sec in PASSTHROUGH}
-    for sec, tbl in data.items():
-        if sec in PASSTHROUGH:
-            if not isinstance(tbl, dict):
-                raise ConfigError(f"{sec}: expected a table, got {type(tbl).__name__}")
-            extra[sec] = tbl
-            continue
-        if sec not in SECTIONS:
-            raise ConfigError(
-                f"{sec}: unknown section (known: {', '.join(SECTIONS + PASSTHROUGH)})"
-            )
-        if not isinstance(tbl, dict):
-            raise ConfigError(f"{sec}: expected a table, got {type(tbl).__name__}")
-        for name, value in tbl.items():
-            key = f"{sec}.{name}"
-            opt = _BY_KEY.get(key)
-            if opt is None:
-                known = ", ".join(o.name for o in OPTIONS if o.section == sec)
-                raise ConfigError(f"{key}: unknown option (known in [{sec}]: {known})")
-            values[key] = _check(opt, value)
-    return Config(values, extra, source)
+    _walk("", data, values)
+    cfg = Config(values, source)
+    for section, table_check in TABLE_CHECKS.items():
+        try:
+            table_check(cfg)
+        except ConfigError as e:
+            msg = str(e)
+            raise ConfigError(msg if msg.startswith(section) else f"{section}: {msg}") from None
+    return cfg
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``a.b.c=VALUE`` (``-s``/``--set``): VALUE is read as a TOML value
+    (``0.5``, ``true``, ``[1, 2]``, ``{1 = 0.5}``), else taken as a bare string."""
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"--set {item}: expected KEY=VALUE, e.g. daemon.tick_interval=0.5")
+    try:
+        return key, tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return key, raw
+
+
+def _merge(data: dict[str, Any], key: str, value: Any) -> None:
+    """Set dotted ``key`` in the nested document: ``hotness.damon.sample_us``,
+    or an item of a table option: ``policy.capacity.1``."""
+    parts = key.split(".")
+    if len(parts) < 2 or not all(parts):
+        raise ConfigError(f"{key}: override must be section.name (e.g. daemon.tick_interval)")
+    tbl = data
+    for i, part in enumerate(parts[:-1]):
+        nxt = tbl.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"{'.'.join(parts[: i + 1])}: is not a table, cannot set {key}")
+        tbl = nxt
+    tbl[parts[-1]] = value
 
 
 def load(path: str | None = DEFAULT_PATH, *, missing_ok: bool = False,
@@ -181,14 +523,18 @@ def load(path: str | None = DEFAULT_PATH, *, missing_ok: bool = False,
         except FileNotFoundError:
             if not missing_ok:
                 raise ConfigError(f"{path}: config file not found") from None
-        except tomllib.TOMLDecodeError as e:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: {e}") from None
+        except OSError as e:
+            raise ConfigError(f"{path}: {e.strerror}") from None
     for key, value in (overrides or {}).items():
-        sec, _, name = key.partition(".")
-        if not name:
-            raise ConfigError(f"{key}: override must be section.name")
-        data.setdefault(sec, {})[name] = value
+        _merge(data, key, value)
     return from_dict(data, source)
+
+
+def _toml_key(k: Any) -> str:
+    s = str(k)
+    return s if s.replace("_", "").replace("-", "").isalnum() else _toml_value(s)
 
 
 def _toml_value(v: Any, opt: Option | None = None) -> str:
@@ -196,6 +542,10 @@ def _toml_value(v: Any, opt: Option | None = None) -> str:
         return "true" if v else "false"
     if isinstance(v, str):
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if opt is not None and opt.name == "socket_mode":
         return f"0o{v:o}"
     return repr(v)
@@ -206,32 +556,19 @@ def sample_toml() -> str:
     is this text; a test keeps them equal)."""
     lines = [
         "# kvtierd configuration (TOML). Every option is shown commented out with",
-        "# its default; uncomment to change. Unknown keys are errors.",
+        "# its default; uncomment to change. Unknown keys are errors. Any key can",
+        "# also be set on the command line: kvtierd -s hotness.damon.aggr_us=200000",
         "# Generated from kvtier.config.OPTIONS: `kvtierd --print-sample-config`.",
     ]
     for sec in SECTIONS:
-        lines += ["", f"[{sec}]"]
+        lines += ["", f"# {SECTION_DOCS[sec]}", f"[{sec}]"]
         for o in OPTIONS:
             if o.section != sec:
                 continue
-            bounds = []
-            if o.lo is not None:
-                bounds.append(f">= {o.lo:g}")
-            if o.hi is not None:
-                bounds.append(f"<= {o.hi:g}")
-            if o.choices:
-                bounds.append("one of " + ", ".join(o.choices))
-            extra = f" ({o.type.__name__}{'; ' + '; '.join(bounds) if bounds else ''})"
-            lines.append(f"# {o.doc}{extra}")
+            bounds = o.bounds_text()
+            doc = f"{o.doc} ({o.type_name()}{'; ' + bounds if bounds else ''})"
+            lines += textwrap.wrap(doc, 78, initial_indent="# ", subsequent_indent="# ",
+                                   break_on_hyphens=False)
             lines.append(f"#{o.name} = {_toml_value(o.default, o)}")
-    lines += [
-        "",
-        "# Sections read by other components (see their documentation):",
-        "# [policy]    placement policy knobs (kvtier.policy.PolicyConfig)",
-        "# [topology]  tier overrides, e.g. which NUMA nodes are CXL",
-        "# [hotness]   hotness sources (DAMON, access bits, perf)",
-        "# [metrics]   Prometheus exporter",
-        "",
-    ]
+    lines.append("")
     return "\n".join(lines)
-

@@ -8,10 +8,11 @@ module keeps global state. The loop is asyncio's, on the main thread:
     pidfds ──▶ registry ┘                  └─▶ worker thread: migrator
 
 Signal handlers only set events (SIGTERM/SIGINT: stop, SIGHUP: reload); the
-loop notices them between ticks, within one wakeup. Configuration is fully
-validated (ours, policy's, topology's) before the socket is opened, so a bad
-config fails the start with a message naming the key instead of a running
-daemon that misbehaves.
+loop notices them between ticks, within one wakeup. ``kvtier.config.load``
+validates the whole configuration once (every key of every table, and the
+invariants the policy, DAMON and topology constructors check) before the
+socket is opened, so a bad config fails the start with a message naming the
+key instead of a running daemon that misbehaves.
 """
 
 from __future__ import annotations
@@ -23,11 +24,10 @@ import logging
 import signal
 import sys
 import time
-import tomllib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from kvtier import config as C
+from kvtier import config
 from kvtier import hotness, logs, state
 from kvtier import metrics as metrics_mod
 from kvtier.kernel import sources as sources_mod
@@ -52,72 +52,33 @@ try:
 except Exception:  # running from a source tree without metadata
     VERSION = "0"
 
-DEFAULT_TAU_S = 30.0
-
-
-def limits_of(cfg: C.Config) -> Limits:
+def limits_of(cfg: config.Config) -> Limits:
     lim = cfg.limits
     return Limits(lim.max_regions_per_process, lim.max_bytes_per_process,
                   lim.max_blocks_per_region, lim.max_blocks_total)
 
 
-def policy_config(table: dict, tenant_id) -> pol.PolicyConfig:
-    """[policy] table -> PolicyConfig. TOML keys are strings: tier indices
-    become ints, tenant quotas are keyed by tenant *name* in the config and
-    by the registry's tenant id in the policy."""
-    d = dict(table)
-    try:
-        if "capacity" in d:
-            d["capacity"] = {int(k): float(v) for k, v in dict(d["capacity"]).items()}
-        if "tenant_dram_quota" in d:
-            d["tenant_dram_quota"] = {tenant_id(str(k)): int(v) for k, v in dict(d["tenant_dram_quota"]).items()}
-        return pol.PolicyConfig(**d)
-    except TypeError as e:
-        known = ", ".join(pol.PolicyConfig.__dataclass_fields__)
-        raise ConfigError(f"policy: {e} (known keys: {known})") from None
-    except (ValueError, AttributeError) as e:
-        raise ConfigError(f"policy: {e}") from None
+def policy_config(cfg: config.Config, tenant_id) -> pol.PolicyConfig:
+    """[policy] -> PolicyConfig. Tenant quotas are keyed by tenant *name* in
+    the config and by the registry's tenant id in the policy."""
+    table = cfg.table("policy")
+    table["tenant_dram_quota"] = {tenant_id(name): b for name, b in table["tenant_dram_quota"].items()}
+    return pol.PolicyConfig(**table)
 
 
-HOTNESS_KEYS = ("tau_s",)
+def source_tables(cfg: config.Config) -> dict[str, dict]:
+    """[hotness.<source>] tables, as kernel.sources.build takes them."""
+    return {name: cfg.table(f"hotness.{name}") for name in sources_mod.SECTIONS}
 
 
-def hotness_sources_table(cfg: C.Config) -> dict:
-    """[hotness] minus our own keys: the per-source sub-tables."""
-    h = cfg.extra.get("hotness", {})
-    for k in h:
-        if k not in HOTNESS_KEYS and k not in sources_mod.SECTIONS:
-            raise ConfigError(f"hotness.{k}: unknown key (known: {', '.join(HOTNESS_KEYS + tuple(sources_mod.SECTIONS))})")
-    return {k: v for k, v in h.items() if k in sources_mod.SECTIONS}
-
-
-def tau_of(cfg: C.Config) -> float:
-    tau = cfg.extra.get("hotness", {}).get("tau_s", DEFAULT_TAU_S)
-    if isinstance(tau, bool) or not isinstance(tau, (int, float)):
-        raise ConfigError(f"hotness.tau_s: expected a number, got {tau!r}")
-    return float(tau)
-
-
-def check(cfg: C.Config) -> None:
-    """Everything that can be validated without side effects."""
-    policy_config(cfg.extra.get("policy", {}), lambda name: 0)
-    hotness.Temperature(tau_of(cfg))
-    topo_mod.validate_overrides(cfg.extra.get("topology") or None)
-    metrics_mod.MetricsConfig.from_table(cfg.extra.get("metrics"))
-    sources_mod.build(hotness_sources_table(cfg), cfg.daemon.sys_root, cfg.daemon.proc_root, dry_run=True)
-    from kvtier.server import group_gid
-
-    for key in ("daemon.socket_group", "security.admin_group"):
-        try:
-            group_gid(cfg.get(key))
-        except KeyError:
-            raise ConfigError(f"{key}: no such group {cfg.get(key)!r}") from None
+def topology_overrides(cfg: config.Config) -> dict:
+    """[topology] keys set away from their defaults (the defaults mean: as discovered)."""
+    return cfg.changed("topology")
 
 
 class Daemon:
-    def __init__(self, cfg: C.Config, config_path: str | None, notifier: Notifier | None = None,
+    def __init__(self, cfg: config.Config, config_path: str | None, notifier: Notifier | None = None,
                  inherited_fds: list[int] | None = None):
-        check(cfg)
         self.cfg = cfg
         self.config_path = config_path
         self.notifier = notifier or Notifier()
@@ -137,18 +98,18 @@ class Daemon:
         cfg = self.cfg
         d = cfg.daemon
         self.table = BlockTable()
-        self.temperature = hotness.Temperature(tau_of(cfg))
+        self.temperature = hotness.Temperature(cfg.hotness.tau_s)
         self.watcher = PidfdWatcher(loop)
         self.registry = Registry(self.table, limits_of(cfg), self.stats, self.temperature,
                                  ProcProcesses(d.proc_root), self.watcher, on_change=self._state_dirty)
-        self.topology = topo_mod.discover(d.sys_root, d.proc_root, cfg.extra.get("topology") or None)
+        self.topology = topo_mod.discover(d.sys_root, d.proc_root, topology_overrides(cfg))
         for t in self.topology.tiers:
             logs.event(log, "tier_discovered", tier=t.name, index=t.index, kind=t.kind,
                        nodes=",".join(map(str, t.nodes)) or "-", total_bytes=t.total, order=t.order_source)
         for w in self.topology.warnings:
             logs.event(log, "topology_warning", logging.WARNING, warning=w)
         self.migrator = Migrator(proc_root=d.proc_root, dry_run=d.dry_run)
-        self.sources = sources_mod.build(hotness_sources_table(cfg), d.sys_root, d.proc_root, dry_run=d.dry_run)
+        self.sources = sources_mod.build(source_tables(cfg), d.sys_root, d.proc_root, dry_run=d.dry_run)
         self.availability = sources_mod.probe_all(self.sources)
         for name, a in self.availability.items():
             if a:
@@ -157,11 +118,11 @@ class Daemon:
                 logs.event(log, "source_unavailable", logging.WARNING, source=name, reason=a.reason)
         self.engine = Engine(
             self.table, self.registry, self.topology, self.migrator, self.temperature,
-            policy_config(cfg.extra.get("policy", {}), self.registry.tenant_id), self.stats,
+            policy_config(cfg, self.registry.tenant_id), self.stats,
             residency_interval=d.residency_interval, sources=self.sources, availability=self.availability,
         )
         self.engine.loop = loop
-        mcfg = metrics_mod.MetricsConfig.from_table(cfg.extra.get("metrics"))
+        mcfg = metrics_mod.MetricsConfig(**cfg.table("metrics"))
         self.metrics = None
         if mcfg.enabled:
             self.metrics = metrics_mod.MetricsExporter.from_config(
@@ -239,10 +200,8 @@ class Daemon:
         """SIGHUP: re-read the config; on any error keep running on the old one."""
         self.notifier.reloading()
         try:
-            new = C.load(self.config_path, missing_ok=self.config_path == C.DEFAULT_PATH)
-            check(new)
-            pcfg = policy_config(new.extra.get("policy", {}), self.registry.tenant_id)
-            tau = tau_of(new)
+            new = config.load(self.config_path, missing_ok=self.config_path == config.DEFAULT_PATH)
+            pcfg = policy_config(new, self.registry.tenant_id)
         except (ConfigError, OSError) as e:
             self.stats.config_reload_errors_total += 1
             log.error("reload failed, keeping the running config: %s", e)
@@ -252,10 +211,10 @@ class Daemon:
                     "daemon.proc_root", "daemon.sys_root"):
             if new.get(key) != self.cfg.get(key):
                 log.warning("%s changed: takes effect at the next restart", key)
-        if new.extra.get("topology") != self.cfg.extra.get("topology"):
+        if topology_overrides(new) != topology_overrides(self.cfg):
             try:
                 t = topo_mod.discover(self.cfg.daemon.sys_root, self.cfg.daemon.proc_root,
-                                      new.extra.get("topology") or None)
+                                      topology_overrides(new))
                 if self.engine.future is None:
                     self.topology = self.engine.topology = t
                 else:
@@ -266,13 +225,13 @@ class Daemon:
         self.server.apply_limits(new.limits, new.security.admin_group)
         self.engine.policy_cfg = pcfg
         self.engine.residency_interval = new.daemon.residency_interval
-        self.temperature.tau_s = tau
+        self.temperature.tau_s = new.hotness.tau_s
         self.migrator.dry_run = new.daemon.dry_run
         logs.setup(new.daemon.log_level)
-        self.cfg = C.Config(
+        self.cfg = config.Config(
             {**new.values, **{k: self.cfg.get(k) for k in ("daemon.socket", "daemon.state_file",
                                                              "daemon.proc_root", "daemon.sys_root")}},
-            new.extra, new.source,
+            new.source,
         )
         self.stats.config_reloads_total += 1
         log.info("configuration reloaded from %s", new.source)
@@ -358,43 +317,29 @@ class Daemon:
         self.notifier.close()
 
 
-def _parse_set(items: list[str]) -> dict[str, Any]:
-    out = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep:
-            raise ConfigError(f"--set {item}: expected KEY=VALUE")
-        try:
-            out[key] = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
-            out[key] = raw  # a bare string
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvtierd", description="Memory-tiering daemon for LLM KV caches.")
-    ap.add_argument("-c", "--config", default=C.DEFAULT_PATH, help="TOML config (default %(default)s)")
+    ap.add_argument("-c", "--config", default=config.DEFAULT_PATH, help="TOML config (default %(default)s)")
     ap.add_argument("--socket", help="override daemon.socket")
     ap.add_argument("--state-file", help="override daemon.state_file ('' disables persistence)")
     ap.add_argument("--dry-run", action="store_true", help="plan but never move a page")
     ap.add_argument("-s", "--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="override any option, e.g. --set daemon.tick_interval=0.5")
+                    help="override any option, e.g. -s daemon.tick_interval=0.5 -s hotness.damon.enabled=false")
     ap.add_argument("--check-config", action="store_true", help="validate the config and exit")
     ap.add_argument("--print-sample-config", action="store_true", help="print the commented sample config")
     args = ap.parse_args(argv)
     if args.print_sample_config:
-        sys.stdout.write(C.sample_toml())
+        sys.stdout.write(config.sample_toml())
         return 0
     try:
-        overrides = _parse_set(args.set)
+        overrides = dict(config.parse_override(item) for item in args.set)
         if args.socket:
             overrides["daemon.socket"] = args.socket
         if args.state_file is not None:
             overrides["daemon.state_file"] = args.state_file
         if args.dry_run:
             overrides["daemon.dry_run"] = True
-        cfg = C.load(args.config, missing_ok=args.config == C.DEFAULT_PATH, overrides=overrides)
-        check(cfg)
+        cfg = config.load(args.config, missing_ok=args.config == config.DEFAULT_PATH, overrides=overrides)
     except ConfigError as e:
         print(f"kvtierd: config error: {e}", file=sys.stderr)
         return 78  # EX_CONFIG: systemd shows it, Restart=on-failure will not loop on it forever

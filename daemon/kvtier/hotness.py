@@ -34,6 +34,11 @@ SOURCE_WEIGHTS = {
     "damon": 0.25,  # region-granular estimate
 }
 
+# Default memory of a temperature (config hotness.tau_s): long enough to
+# smooth a decode schedule that revisits a block every few seconds.
+DEFAULT_TAU_S = 30.0
+
+
 class Temperature:
     """Decays and feeds ``BlockTable.temp`` / ``last_access``; holds only the decay clock."""
 

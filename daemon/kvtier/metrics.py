@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
@@ -42,7 +42,6 @@ from prometheus_client.core import (
 from prometheus_client.exposition import start_http_server
 
 from kvtier.blocks import F_MANUAL_PIN, F_UNMOVABLE, TIER_MIXED, TIER_UNKNOWN
-from kvtier.errors import ConfigError
 from kvtier.stats import MIGRATION_BUCKETS, TICK_BUCKETS, Histogram, le_label
 
 DEFAULT_ADDRESS = "127.0.0.1"
@@ -57,7 +56,7 @@ MIXED_TIER = "mixed"
 
 
 # ---------------------------------------------------------------------------
-# configuration ([metrics] is a passthrough section of kvtier.config)
+# configuration: the defaults of [metrics]; kvtier.config validates the table
 
 
 @dataclass(frozen=True)
@@ -68,24 +67,6 @@ class MetricsConfig:
     # Per-region series cost regions x tiers time series; fleets with
     # thousands of regions per host turn them off and keep per-tenant ones.
     per_region: bool = True
-
-    @classmethod
-    def from_table(cls, table: Mapping[str, Any] | None) -> "MetricsConfig":
-        """Validate the raw ``[metrics]`` table; errors name the key."""
-        table = dict(table or {})
-        types = {"enabled": bool, "address": str, "port": int, "per_region": bool}
-        for key, value in table.items():
-            want = types.get(key)
-            if want is None:
-                raise ConfigError(f"metrics.{key}: unknown option (known in [metrics]: {', '.join(types)})")
-            if not isinstance(value, want) or (want is int and isinstance(value, bool)):
-                raise ConfigError(f"metrics.{key}: expected {want.__name__}, got {type(value).__name__} {value!r}")
-        cfg = cls(**table)
-        if not 0 <= cfg.port <= 65535:
-            raise ConfigError(f"metrics.port: must be 0..65535, got {cfg.port}")
-        if not cfg.address:
-            raise ConfigError("metrics.address: must not be empty")
-        return cfg
 
 
 # ---------------------------------------------------------------------------

@@ -35,6 +35,8 @@ HEADER_SIZE = HEADER.size
 # The client may send at most this much before the daemon's configured limit
 # is known (hello reports the real one).
 DEFAULT_MAX_MESSAGE = 16 * 1024 * 1024
+# Where kvtierd listens unless configured otherwise (daemon.socket).
+DEFAULT_SOCKET = "/run/kvtierd/kvtierd.sock"
 
 CAPABILITIES = (
     "register", "hint", "phase", "query", "stats", "pidfd-lifetime", "persist",

@@ -17,7 +17,6 @@ from kvtier import metrics
 
 from kvtier.kernel import topology
 from kvtier.blocks import F_UNMOVABLE, TIER_MIXED, BlockTable
-from kvtier.errors import ConfigError
 from kvtier.hotness import Temperature
 from kvtier.registry import Limits, Registry
 from kvtier.kernel.procmap import ProcProcesses
@@ -225,24 +224,6 @@ def test_process_metrics_read_the_injected_proc_root(daemon_state, tmp_path):
     assert v("process_open_fds") == 3
     assert v("process_max_fds") == 1024
     assert v("process_cpu_seconds_total") == pytest.approx(400 / os.sysconf("SC_CLK_TCK"))
-
-
-@pytest.mark.parametrize("table, message", [
-    ({"port": 70000}, "metrics.port"),
-    ({"port": "9464"}, "metrics.port: expected int"),
-    ({"enabled": 1}, "metrics.enabled: expected bool"),
-    ({"adress": "::"}, "metrics.adress: unknown option"),
-    ({"address": ""}, "metrics.address"),
-])
-def test_config_errors_name_the_key(table, message):
-    with pytest.raises(ConfigError, match=re.escape(message)):
-        metrics.MetricsConfig.from_table(table)
-
-
-def test_config_defaults():
-    cfg = metrics.MetricsConfig.from_table({})
-    assert (cfg.enabled, cfg.address, cfg.port, cfg.per_region) == (True, "127.0.0.1", 9464, True)
-    assert metrics.MetricsConfig.from_table({"port": 0, "address": "::"}).port == 0
 
 
 def test_topology_may_be_a_callable_that_follows_rediscovery(daemon_state):
