@@ -49,9 +49,6 @@ long kvt_migrate_pages(int pid, unsigned long maxnode,
 long kvt_mbind(void *addr, unsigned long len, int mode,
                const unsigned long *nodemask, unsigned long maxnode,
                unsigned int flags);
-long kvt_get_mempolicy(int *mode, unsigned long *nodemask,
-                       unsigned long maxnode, void *addr,
-                       unsigned long flags);
 int kvt_pidfd_open(int pid, unsigned int flags);
 long kvt_process_madvise(int pidfd, const struct iovec *iov, size_t vlen,
                          int advice, unsigned int flags);
@@ -69,8 +66,6 @@ int kvt_perf_attr_size(void);
 #define MPOL_PREFERRED ...
 #define MPOL_BIND ...
 #define MPOL_INTERLEAVE ...
-#define MPOL_F_NODE ...
-#define MPOL_F_ADDR ...
 #define MPOL_MF_STRICT ...
 #define MADV_PAGEOUT ...
 #define MADV_COLD ...
@@ -160,13 +155,6 @@ long kvt_mbind(void *addr, unsigned long len, int mode,
                unsigned int flags)
 {
     return syscall(SYS_mbind, addr, len, mode, nodemask, maxnode, flags);
-}
-
-long kvt_get_mempolicy(int *mode, unsigned long *nodemask,
-                       unsigned long maxnode, void *addr,
-                       unsigned long flags)
-{
-    return syscall(SYS_get_mempolicy, mode, nodemask, maxnode, addr, flags);
 }
 
 int kvt_pidfd_open(int pid, unsigned int flags)

@@ -32,7 +32,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "daemon"))
 
-from kvtier.kernel import sysfs as k  # noqa: E402
+from kvtier.kernel import sysfs  # noqa: E402
 
 _SKIP_DISKS = re.compile(r"^(loop|ram)\d+$")
 
@@ -87,70 +87,70 @@ class Capture:
         return real
 
     def listdir(self, rel: str, tree: str = "sys") -> list[str]:
-        return k.listdir(os.path.join(self.src_sys if tree == "sys" else self.src_proc, rel))
+        return sysfs.listdir(os.path.join(self.src_sys if tree == "sys" else self.src_proc, rel))
 
     # -- what discovery reads -------------------------------------------------
 
     def nodes(self) -> None:
-        for f in k.NODE_LIST_FILES:
-            self.copy_file(os.path.join(k.NODE_DIR, f))
-        has_cpu = k.read_list(os.path.join(self.src_sys, k.NODE_DIR, k.NODE_HAS_CPU))
-        for name in self.listdir(k.NODE_DIR):
-            m = re.match(rf"^{k.NODE_PREFIX}(\d+)$", name)
+        for f in sysfs.NODE_LIST_FILES:
+            self.copy_file(os.path.join(sysfs.NODE_DIR, f))
+        has_cpu = sysfs.read_list(os.path.join(self.src_sys, sysfs.NODE_DIR, sysfs.NODE_HAS_CPU))
+        for name in self.listdir(sysfs.NODE_DIR):
+            m = re.match(rf"^{sysfs.NODE_PREFIX}(\d+)$", name)
             if not m:
                 continue
-            ndir = os.path.join(k.NODE_DIR, name)
-            for f in k.NODE_FILES:
+            ndir = os.path.join(sysfs.NODE_DIR, name)
+            for f in sysfs.NODE_FILES:
                 self.copy_file(os.path.join(ndir, f))
-            for access in k.HMAT_ACCESS_CLASSES:
-                for f in k.HMAT_FILES:
-                    self.copy_file(os.path.join(ndir, access, k.HMAT_INITIATORS, f))
+            for access in sysfs.HMAT_ACCESS_CLASSES:
+                for f in sysfs.HMAT_FILES:
+                    self.copy_file(os.path.join(ndir, access, sysfs.HMAT_INITIATORS, f))
             # Memory block links matter only for CPU-less nodes (the CXL
             # range rule); DRAM nodes can have thousands of them.
             if has_cpu is not None and int(m.group(1)) in has_cpu:
                 continue
             for entry in self.listdir(ndir):
-                if re.match(rf"^{k.MEMORY_BLOCK_PREFIX}\d+$", entry):
+                if re.match(rf"^{sysfs.MEMORY_BLOCK_PREFIX}\d+$", entry):
                     self.copy_link(os.path.join(ndir, entry))
-        self.copy_file(k.MEMORY_BLOCK_SIZE)
+        self.copy_file(sysfs.MEMORY_BLOCK_SIZE)
 
     def memory_tiers(self) -> None:
-        for name in self.listdir(k.MEMTIER_DIR):
-            if name.startswith(k.MEMTIER_PREFIX):
-                self.copy_file(os.path.join(k.MEMTIER_DIR, name, k.MEMTIER_NODELIST))
+        for name in self.listdir(sysfs.MEMTIER_DIR):
+            if name.startswith(sysfs.MEMTIER_PREFIX):
+                self.copy_file(os.path.join(sysfs.MEMTIER_DIR, name, sysfs.MEMTIER_NODELIST))
 
     def cxl_and_dax(self) -> None:
-        for name in self.listdir(k.CXL_DEVICES):
-            if name.startswith(k.CXL_REGION_PREFIX):
-                self.copy_entry(os.path.join(k.CXL_DEVICES, name), k.CXL_REGION_FILES)
-        for name in self.listdir(k.DAX_DEVICES):
-            self.copy_entry(os.path.join(k.DAX_DEVICES, name), k.DAX_FILES)
+        for name in self.listdir(sysfs.CXL_DEVICES):
+            if name.startswith(sysfs.CXL_REGION_PREFIX):
+                self.copy_entry(os.path.join(sysfs.CXL_DEVICES, name), sysfs.CXL_REGION_FILES)
+        for name in self.listdir(sysfs.DAX_DEVICES):
+            self.copy_entry(os.path.join(sysfs.DAX_DEVICES, name), sysfs.DAX_FILES)
 
     def block(self, disk: str) -> None:
-        real = self.copy_entry(os.path.join(k.BLOCK_DIR, disk), (k.BLOCK_DEV, k.BLOCK_SIZE, k.BLOCK_ROTATIONAL))
-        self.copy_link(os.path.join(real, k.BLOCK_DEVICE_LINK))
+        real = self.copy_entry(os.path.join(sysfs.BLOCK_DIR, disk), (sysfs.BLOCK_DEV, sysfs.BLOCK_SIZE, sysfs.BLOCK_ROTATIONAL))
+        self.copy_link(os.path.join(real, sysfs.BLOCK_DEVICE_LINK))
         self.dev_link(real)
         for entry in self.listdir(real):
             sub = os.path.join(real, entry)
-            if os.path.exists(os.path.join(self.src_sys, sub, k.BLOCK_PARTITION)):
-                for f in (k.BLOCK_PARTITION, k.BLOCK_DEV, k.BLOCK_SIZE):
+            if os.path.exists(os.path.join(self.src_sys, sub, sysfs.BLOCK_PARTITION)):
+                for f in (sysfs.BLOCK_PARTITION, sysfs.BLOCK_DEV, sysfs.BLOCK_SIZE):
                     self.copy_file(os.path.join(sub, f))
                 self.dev_link(sub)
-        for slave in self.listdir(os.path.join(real, k.BLOCK_SLAVES)):
-            self.copy_link(os.path.join(real, k.BLOCK_SLAVES, slave))
+        for slave in self.listdir(os.path.join(real, sysfs.BLOCK_SLAVES)):
+            self.copy_link(os.path.join(real, sysfs.BLOCK_SLAVES, slave))
 
     def dev_link(self, block_dir: str) -> None:
         """The /sys/dev/block/MAJ:MIN link of a disk or partition: how a swap
         file's st_dev finds its device."""
-        majmin = k.read_text(os.path.join(self.src_sys, block_dir, k.BLOCK_DEV))
+        majmin = sysfs.read_text(os.path.join(self.src_sys, block_dir, sysfs.BLOCK_DEV))
         if majmin:
-            self.copy_link(os.path.join(k.DEV_BLOCK_DIR, majmin))
+            self.copy_link(os.path.join(sysfs.DEV_BLOCK_DIR, majmin))
 
     def blocks_and_swaps(self) -> dict[str, str]:
         """Copy /proc/swaps and the block devices; return swap file -> MAJ:MIN."""
-        self.copy_file(k.PROC_SWAPS, tree="proc")
+        self.copy_file(sysfs.PROC_SWAPS, tree="proc")
         swap_files: dict[str, str] = {}
-        swaps = k.parse_swaps(k.read_text(os.path.join(self.src_proc, k.PROC_SWAPS)) or "")
+        swaps = sysfs.parse_swaps(sysfs.read_text(os.path.join(self.src_proc, sysfs.PROC_SWAPS)) or "")
         for path, typ, _size, _used, _prio in swaps:
             if typ != "file":
                 continue
@@ -160,9 +160,9 @@ class Capture:
                 continue
             majmin = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
             swap_files[path] = majmin
-            self.copy_link(os.path.join(k.DEV_BLOCK_DIR, majmin))
+            self.copy_link(os.path.join(sysfs.DEV_BLOCK_DIR, majmin))
         used = {os.path.basename(path) for path, *_ in swaps}
-        for disk in self.listdir(k.BLOCK_DIR):
+        for disk in self.listdir(sysfs.BLOCK_DIR):
             if _SKIP_DISKS.match(disk) and disk not in used:
                 continue
             self.block(disk)
@@ -173,8 +173,8 @@ def _fresh(dest: str) -> None:
     """Empty ``dest`` for a new capture, refusing to delete a directory that
     is not a fixture tree (a mistyped path must not cost anyone their files)."""
     if os.path.exists(dest):
-        if os.listdir(dest) and not os.path.exists(os.path.join(dest, k.FIXTURE_META)):
-            raise SystemExit(f"{dest} exists and is not a fixture tree (no {k.FIXTURE_META}); not touching it")
+        if os.listdir(dest) and not os.path.exists(os.path.join(dest, sysfs.FIXTURE_META)):
+            raise SystemExit(f"{dest} exists and is not a fixture tree (no {sysfs.FIXTURE_META}); not touching it")
         shutil.rmtree(dest)
     os.makedirs(dest)
 
@@ -195,7 +195,7 @@ def capture(dest: str, src_sys: str = "/sys", src_proc: str = "/proc") -> dict:
         "swap_files": swap_files,
         "files": c.copied,
     }
-    with open(os.path.join(dest, k.FIXTURE_META), "w") as f:
+    with open(os.path.join(dest, sysfs.FIXTURE_META), "w") as f:
         json.dump(meta, f, indent=2, sort_keys=True)
         f.write("\n")
     return meta
@@ -231,12 +231,12 @@ def _disk(dest: str, name: str, devpath: str, device_link: str, majmin: str, sec
     """A /sys/block disk as the kernel lays it out: the /sys/block link,
     the device directory, the dev/block link. Returns the directory below dest."""
     ddir = os.path.join("sys", devpath)
-    _link(dest, os.path.join("sys", k.BLOCK_DIR, name), f"../{devpath}")
-    _write(dest, os.path.join(ddir, k.BLOCK_DEV), majmin)
-    _write(dest, os.path.join(ddir, k.BLOCK_SIZE), str(sectors))
-    _write(dest, os.path.join(ddir, k.BLOCK_ROTATIONAL), "1" if rotational else "0")
-    _link(dest, os.path.join(ddir, k.BLOCK_DEVICE_LINK), device_link)
-    _link(dest, os.path.join("sys", k.DEV_BLOCK_DIR, majmin), f"../../{devpath}")
+    _link(dest, os.path.join("sys", sysfs.BLOCK_DIR, name), f"../{devpath}")
+    _write(dest, os.path.join(ddir, sysfs.BLOCK_DEV), majmin)
+    _write(dest, os.path.join(ddir, sysfs.BLOCK_SIZE), str(sectors))
+    _write(dest, os.path.join(ddir, sysfs.BLOCK_ROTATIONAL), "1" if rotational else "0")
+    _link(dest, os.path.join(ddir, sysfs.BLOCK_DEVICE_LINK), device_link)
+    _link(dest, os.path.join("sys", sysfs.DEV_BLOCK_DIR, majmin), f"../../{devpath}")
     return ddir
 
 
@@ -249,13 +249,13 @@ def build_synthetic_cxl(dest: str) -> None:
     abstract-distance formula from the HMAT values)."""
     _fresh(dest)
     s = "sys"
-    node = os.path.join(s, k.NODE_DIR)
-    _write(dest, os.path.join(node, k.NODE_ONLINE), "0-2")
-    _write(dest, os.path.join(node, k.NODE_POSSIBLE), "0-2")
-    _write(dest, os.path.join(node, k.NODE_HAS_CPU), "0")
-    _write(dest, os.path.join(node, k.NODE_HAS_MEMORY), "0-2")
-    _write(dest, os.path.join(node, k.NODE_HAS_NORMAL_MEMORY), "0-1")
-    _write(dest, os.path.join(node, k.NODE_HAS_GENERIC_INITIATOR), "")
+    node = os.path.join(s, sysfs.NODE_DIR)
+    _write(dest, os.path.join(node, sysfs.NODE_ONLINE), "0-2")
+    _write(dest, os.path.join(node, sysfs.NODE_POSSIBLE), "0-2")
+    _write(dest, os.path.join(node, sysfs.NODE_HAS_CPU), "0")
+    _write(dest, os.path.join(node, sysfs.NODE_HAS_MEMORY), "0-2")
+    _write(dest, os.path.join(node, sysfs.NODE_HAS_NORMAL_MEMORY), "0-1")
+    _write(dest, os.path.join(node, sysfs.NODE_HAS_GENERIC_INITIATOR), "")
     gib = 1 << 20  # in kB
     layout = {
         # node: (cpulist, total kB, free kB, distance row, hmat (rl, wl, rbw, wbw))
@@ -265,15 +265,15 @@ def build_synthetic_cxl(dest: str) -> None:
     }
     for n, (cpus, total, free, dist, perf) in layout.items():
         nd = os.path.join(node, f"node{n}")
-        _write(dest, os.path.join(nd, k.NODE_CPULIST), cpus)
-        _write(dest, os.path.join(nd, k.NODE_MEMINFO), _meminfo(n, total, free))
-        _write(dest, os.path.join(nd, k.NODE_DISTANCE), dist)
-        for access in k.HMAT_ACCESS_CLASSES:
-            for f, v in zip(k.HMAT_FILES, perf):
-                _write(dest, os.path.join(nd, access, k.HMAT_INITIATORS, f), str(v))
+        _write(dest, os.path.join(nd, sysfs.NODE_CPULIST), cpus)
+        _write(dest, os.path.join(nd, sysfs.NODE_MEMINFO), _meminfo(n, total, free))
+        _write(dest, os.path.join(nd, sysfs.NODE_DISTANCE), dist)
+        for access in sysfs.HMAT_ACCESS_CLASSES:
+            for f, v in zip(sysfs.HMAT_FILES, perf):
+                _write(dest, os.path.join(nd, access, sysfs.HMAT_INITIATORS, f), str(v))
     # 128 MiB memory blocks; node2's memory is the CXL window at 0x290000000
     # (blocks 82..89), node1's sits at 0xc0000000 (blocks 24..31).
-    _write(dest, os.path.join(s, k.MEMORY_BLOCK_SIZE), "8000000")
+    _write(dest, os.path.join(s, sysfs.MEMORY_BLOCK_SIZE), "8000000")
     for n, blocks in ((1, range(24, 32)), (2, range(82, 90))):
         for b in blocks:
             _link(dest, os.path.join(node, f"node{n}", f"memory{b}"), f"../../memory/memory{b}")
@@ -281,28 +281,28 @@ def build_synthetic_cxl(dest: str) -> None:
     # abstract distance (2x latency, 1/2 bandwidth) -> 2304 >> 7 = 18; the
     # dax kmem node at the kmem default 5 * 576 = 2880 >> 7 = 22.
     for tier, nodes in ((4, "0"), (18, "1"), (22, "2")):
-        _write(dest, os.path.join(s, k.MEMTIER_DIR, f"memory_tier{tier}", k.MEMTIER_NODELIST), nodes)
+        _write(dest, os.path.join(s, sysfs.MEMTIER_DIR, f"memory_tier{tier}", sysfs.MEMTIER_NODELIST), nodes)
     cxl_dev = "devices/platform/ACPI0017:00/root0/decoder0.0/region0"
-    _link(dest, os.path.join(s, k.CXL_DEVICES, "region0"), f"../../../{cxl_dev}")
-    _write(dest, os.path.join(s, cxl_dev, k.CXL_REGION_RESOURCE), "0x290000000")
-    _write(dest, os.path.join(s, cxl_dev, k.CXL_REGION_SIZE), "0x40000000")
-    _write(dest, os.path.join(s, cxl_dev, k.CXL_REGION_MODE), "ram")
+    _link(dest, os.path.join(s, sysfs.CXL_DEVICES, "region0"), f"../../../{cxl_dev}")
+    _write(dest, os.path.join(s, cxl_dev, sysfs.CXL_REGION_RESOURCE), "0x290000000")
+    _write(dest, os.path.join(s, cxl_dev, sysfs.CXL_REGION_SIZE), "0x40000000")
+    _write(dest, os.path.join(s, cxl_dev, sysfs.CXL_REGION_MODE), "ram")
     dax_dev = f"{cxl_dev}/dax_region0/dax0.0"
-    _link(dest, os.path.join(s, k.DAX_DEVICES, "dax0.0"), f"../../../{dax_dev}")
-    _write(dest, os.path.join(s, dax_dev, k.DAX_TARGET_NODE), "2")
-    _write(dest, os.path.join(s, dax_dev, k.DAX_SIZE), str(1 << 30))
+    _link(dest, os.path.join(s, sysfs.DAX_DEVICES, "dax0.0"), f"../../../{dax_dev}")
+    _write(dest, os.path.join(s, dax_dev, sysfs.DAX_TARGET_NODE), "2")
+    _write(dest, os.path.join(s, dax_dev, sysfs.DAX_SIZE), str(1 << 30))
     # Block devices: the virtio root disk and the NVMe namespace used as swap
     # (whole disk), with one partition to exercise partition lookup.
     _disk(dest, "vda", "devices/pci0000:00/0000:00:02.0/virtio1/block/vda", "../../../virtio1",
           "254:0", 20 << 21, rotational=True)
     nvme = _disk(dest, "nvme0n1", "devices/pci0000:00/0000:00:04.0/nvme/nvme0/nvme0n1", "../../nvme0",
                  "259:0", 4 << 21, rotational=False)
-    for f, v in ((k.BLOCK_PARTITION, "1"), (k.BLOCK_DEV, "259:1"), (k.BLOCK_SIZE, str(1 << 21))):
+    for f, v in ((sysfs.BLOCK_PARTITION, "1"), (sysfs.BLOCK_DEV, "259:1"), (sysfs.BLOCK_SIZE, str(1 << 21))):
         _write(dest, os.path.join(nvme, "nvme0n1p1", f), v)
-    _link(dest, os.path.join("sys", k.DEV_BLOCK_DIR, "259:1"), f"../../{nvme[4:]}/nvme0n1p1")
+    _link(dest, os.path.join("sys", sysfs.DEV_BLOCK_DIR, "259:1"), f"../../{nvme[4:]}/nvme0n1p1")
     _write(
         dest,
-        os.path.join("proc", k.PROC_SWAPS),
+        os.path.join("proc", sysfs.PROC_SWAPS),
         "Filename\t\t\t\tType\t\tSize\t\tUsed\t\tPriority\n"
         "/dev/nvme0n1                            partition\t4194300\t\t1024\t\t-2\n",
     )
@@ -316,7 +316,7 @@ def build_synthetic_cxl(dest: str) -> None:
         "kernel": "6.12 (file layout)",
         "swap_files": {},
     }
-    with open(os.path.join(dest, k.FIXTURE_META), "w") as f:
+    with open(os.path.join(dest, sysfs.FIXTURE_META), "w") as f:
         json.dump(meta, f, indent=2, sort_keys=True)
         f.write("\n")
     _write(dest, "README.md", "# SYNTHETIC fixture\n\n" + meta["description"] + "\n\n"

@@ -30,7 +30,7 @@ from typing import Any, Iterable
 import msgspec
 import numpy as np
 
-from kvtier import protocol as P
+from kvtier import protocol
 
 ENV_SOCKET = "KVTIER_SOCKET"
 # Unanswered pipelined requests before the client stops to read answers, so
@@ -106,11 +106,11 @@ class Region:
     def hint(self, blocks: Iterable[int] | np.ndarray, counts: Iterable[int] | np.ndarray | None = None) -> None:
         """Record accesses to blocks; sent once ``hint_batch`` block hints are
         pending or the oldest is ``hint_interval`` seconds old."""
-        b = np.asarray(blocks, dtype=P.BLOCKS_DTYPE).ravel()
+        b = np.asarray(blocks, dtype=protocol.BLOCKS_DTYPE).ravel()
         if not b.size:
             return
-        c = (np.ones(b.size, dtype=P.COUNTS_DTYPE) if counts is None
-             else np.asarray(counts, dtype=P.COUNTS_DTYPE).ravel())
+        c = (np.ones(b.size, dtype=protocol.COUNTS_DTYPE) if counts is None
+             else np.asarray(counts, dtype=protocol.COUNTS_DTYPE).ravel())
         if c.size != b.size:
             raise ValueError(f"{c.size} counts for {b.size} blocks")
         if not self._pending:
@@ -130,30 +130,30 @@ class Region:
         self._blocks, self._counts, self._pending = [], [], 0
         # Stay under the daemon's frame limit: 8 bytes per entry (index +
         # count) plus a little for the map around them.
-        limit = self.client.server.get("max_message_bytes", P.DEFAULT_MAX_MESSAGE)
+        limit = self.client.server.get("max_message_bytes", protocol.DEFAULT_MAX_MESSAGE)
         step = max(1, (limit - 256) // 8)
         for i in range(0, b.size, step):
             cb, cc = b[i : i + step], c[i : i + step]
             counts = None if bool((cc == 1).all()) else cc.tobytes()  # absent = 1 each
-            self.client._send_async(P.Hint(region=self.id, blocks=cb.tobytes(), counts=counts))
+            self.client._send_async(protocol.Hint(region=self.id, blocks=cb.tobytes(), counts=counts))
 
     def phase(self, phase: str, blocks: Iterable[int] | np.ndarray | None = None) -> int:
         """"prefill_done" (blocks now read-only: demotion candidates), "active"
         (undo), or "free" (blocks hold no live data)."""
         self.flush()
-        packed = None if blocks is None else P.pack_blocks(np.asarray(blocks).ravel())
-        return self.client.call(P.Phase(region=self.id, phase=phase, blocks=packed))["blocks"]
+        packed = None if blocks is None else protocol.pack_blocks(np.asarray(blocks).ravel())
+        return self.client.call(protocol.Phase(region=self.id, phase=phase, blocks=packed))["blocks"]
 
     def query(self, first: int = 0, count: int | None = None) -> np.ndarray:
         """Tier index per block (0 = DRAM; -1 unknown/not yet touched)."""
-        r = self.client.call(P.Query(region=self.id, first=first, count=count))
-        return np.frombuffer(r["tiers"], dtype=P.TIERS_DTYPE)
+        r = self.client.call(protocol.Query(region=self.id, first=first, count=count))
+        return np.frombuffer(r["tiers"], dtype=protocol.TIERS_DTYPE)
 
     def unregister(self) -> None:
         if self.closed:
             return
         self._blocks, self._counts, self._pending = [], [], 0
-        self.client.call(P.Unregister(region=self.id))
+        self.client.call(protocol.Unregister(region=self.id))
         self.closed = True
         self._keepalive = None
         self.client._regions.pop(self.id, None)
@@ -173,7 +173,7 @@ class Client:
         name: str = "",
         connect: bool = True,
     ):
-        self.path = path or os.environ.get(ENV_SOCKET) or P.DEFAULT_SOCKET
+        self.path = path or os.environ.get(ENV_SOCKET) or protocol.DEFAULT_SOCKET
         self.timeout = timeout
         self.reconnect_timeout = reconnect_timeout
         self.hint_batch = hint_batch
@@ -203,7 +203,7 @@ class Client:
         self.sock = s
         self._rbuf.clear()
         self._in_flight.clear()
-        self.server = self._call_once(P.Hello(client=self.name))
+        self.server = self._call_once(protocol.Hello(client=self.name))
 
     def _reconnect(self) -> None:
         self.close_socket()
@@ -243,23 +243,23 @@ class Client:
 
     # -- framing ---------------------------------------------------------
 
-    def _send(self, req: P.Request) -> int:
+    def _send(self, req: protocol.Request) -> int:
         rid = self._next_id
         self._next_id += 1
         req.id = rid
         if self.sock is None:
             raise ConnectionResetError(_errno.ENOTCONN, "not connected")
-        self.sock.sendall(P.encode_request(req))
+        self.sock.sendall(protocol.encode_request(req))
         return rid
 
-    def _recv_one(self) -> P.Response:
+    def _recv_one(self) -> protocol.Response:
         buf = self._rbuf
         while True:
-            if len(buf) >= P.HEADER_SIZE:
-                (size,) = P.HEADER.unpack_from(buf, 0)
-                end = P.HEADER_SIZE + size
+            if len(buf) >= protocol.HEADER_SIZE:
+                (size,) = protocol.HEADER.unpack_from(buf, 0)
+                end = protocol.HEADER_SIZE + size
                 if len(buf) >= end:
-                    resp = P.decode_response(bytes(buf[P.HEADER_SIZE:end]))
+                    resp = protocol.decode_response(bytes(buf[protocol.HEADER_SIZE:end]))
                     del buf[:end]
                     return resp
             chunk = self.sock.recv(1 << 20)
@@ -267,7 +267,7 @@ class Client:
                 raise ConnectionResetError(_errno.ECONNRESET, "kvtierd closed the connection")
             buf += chunk
 
-    def _collect(self, resp: P.Response) -> None:
+    def _collect(self, resp: protocol.Response) -> None:
         op = self._in_flight.pop(resp.id, "?")
         if not resp.ok:
             e = resp.error
@@ -285,7 +285,7 @@ class Client:
             self._in_flight.clear()
             self.close_socket()
 
-    def _send_async(self, req: P.Request) -> None:
+    def _send_async(self, req: protocol.Request) -> None:
         """Pipelined request (hints): answer collected later."""
         for attempt in (0, 1):
             try:
@@ -299,7 +299,7 @@ class Client:
                     raise
                 self._reconnect()
 
-    def _call_once(self, req: P.Request) -> Any:
+    def _call_once(self, req: protocol.Request) -> Any:
         rid = self._send(req)
         op = req.__struct_config__.tag
         while True:
@@ -312,7 +312,7 @@ class Client:
             raise KvtierClientError(op, e.code, e.message, e.errno, e.retry_after_ms)
         return resp.result
 
-    def call(self, req: P.Request) -> Any:
+    def call(self, req: protocol.Request) -> Any:
         """Send one request and wait for its answer; reconnect once if the
         daemon went away (it may be restarting)."""
         for attempt in (0, 1):
@@ -328,7 +328,7 @@ class Client:
     def request(self, op: str, **fields: Any) -> Any:
         """Any op by name (kvtierctl uses this): ``request("status")``."""
         try:
-            t = P.OPS[op]
+            t = protocol.OPS[op]
         except KeyError:
             raise ValueError(f"unknown op {op!r}") from None
         return self.call(msgspec.convert(fields, t) if fields else t())
@@ -358,7 +358,7 @@ class Client:
             keep = obj
         if addr is None or length is None:
             raise ValueError("register needs a buffer, or an address and a length")
-        info = self.call(P.Register(
+        info = self.call(protocol.Register(
             start=addr, length=length, block_size=block_size, name=name, tenant=tenant,
             priority=priority, constraints=list(constraints), pid=pid,
         ))
@@ -376,7 +376,7 @@ class Client:
         return errs
 
     def stats(self) -> dict:
-        return self.call(P.Stats())
+        return self.call(protocol.Stats())
 
     def status(self) -> dict:
-        return self.call(P.Status())
+        return self.call(protocol.Status())

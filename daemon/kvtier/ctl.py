@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier import protocol as P
+from kvtier import protocol
 from kvtier import top as top_mod
 from kvtier.blocks import F_KEEP_DRAM, F_MANUAL_PIN, F_NEVER_SWAP, F_NOT_PRESENT, F_PREFILL_DONE, F_UNMOVABLE
 from kvtier.client import Client, DaemonUnavailable, KvtierClientError
@@ -50,7 +50,7 @@ def parse_blocks(spec: str | None) -> bytes | None:
             raise argparse.ArgumentTypeError(f"bad block list {spec!r}: use e.g. 0-15,40") from None
         if a < 0 or b < a:
             raise argparse.ArgumentTypeError(f"bad block range {part!r}")
-        out.append(np.arange(a, b + 1, dtype=P.BLOCKS_DTYPE))
+        out.append(np.arange(a, b + 1, dtype=protocol.BLOCKS_DTYPE))
     return np.concatenate(out).tobytes() if out else b""
 
 
@@ -69,8 +69,8 @@ def _jsonable(x: Any) -> Any:
 def decode_blocks(r: dict) -> dict:
     """A ``blocks``/``query`` answer with its packed arrays as lists."""
     out = dict(r)
-    for key, dt in (("tiers", P.TIERS_DTYPE), ("temps", P.TEMPS_DTYPE), ("flags", P.FLAGS_DTYPE),
-                    ("last_access_age", P.TIMES_DTYPE)):
+    for key, dt in (("tiers", protocol.TIERS_DTYPE), ("temps", protocol.TEMPS_DTYPE), ("flags", protocol.FLAGS_DTYPE),
+                    ("last_access_age", protocol.TIMES_DTYPE)):
         if key in out:
             out[key] = np.frombuffer(out[key], dtype=dt).tolist()
     return out

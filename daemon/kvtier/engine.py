@@ -38,8 +38,6 @@ from kvtier.stats import DaemonStats
 
 log = logging.getLogger("kvtier.engine")
 
-REASON_MANUAL = 255  # plan reason code of an operator's `kvtierctl migrate`
-
 
 @dataclass
 class Job:
@@ -288,11 +286,11 @@ class Engine:
             self._act(job)
         if job.measure.any():
             self._measure(job)
-        for src in job.sources:
+        for source in job.sources:
             try:
-                job.observations.append(src.collect(job.started))
+                job.observations.append(source.collect(job.started))
             except (KvtierError, OSError) as e:
-                log.warning("hotness source %s: collect failed: %s", src.name, e)
+                log.warning("hotness source %s: collect failed: %s", source.name, e)
         job.seconds = time.monotonic() - t0
         return job
 
@@ -440,8 +438,8 @@ class Engine:
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)
-        for src in self.sources:
+        for source in self.sources:
             try:
-                src.close()
+                source.close()
             except (KvtierError, OSError) as e:
-                log.warning("hotness source %s: close failed: %s", src.name, e)
+                log.warning("hotness source %s: close failed: %s", source.name, e)

@@ -30,7 +30,7 @@ from .errors import ConfigError, InvalidArgument
 SOURCE_WEIGHTS = {
     "hint": 1.0,  # the engine names the block it read
     "perf": 0.5,  # sampled load addresses: exact block, sparse
-    "access_bit": 0.5,  # referenced bit per page, once per scan
+    "access_bits": 0.5,  # referenced bit per page, once per scan
     "damon": 0.25,  # region-granular estimate
 }
 

@@ -16,22 +16,22 @@ import time
 import msgspec
 import pytest
 
-from kvtier import protocol as P
+from kvtier import protocol
 
 from test_daemon import DROP, NOBODY, DaemonProc, PY, daemon, wait_for, workdir  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.root
 
 
-def raw_call(sock: socket.socket, reader: P.FrameReader, req: dict) -> P.Response:
-    sock.sendall(P.frame(msgspec.msgpack.encode(req)))
+def raw_call(sock: socket.socket, reader: protocol.FrameReader, req: dict) -> protocol.Response:
+    sock.sendall(protocol.frame(msgspec.msgpack.encode(req)))
     pending: list[bytes] = []
     while not pending:
         data = sock.recv(1 << 20)
         if not data:
             raise ConnectionResetError("daemon closed the connection")
         pending += reader.feed(data)
-    return P.decode_response(pending[0])
+    return protocol.decode_response(pending[0])
 
 
 # The attacker: connects as nobody, forks, and the connecting process exits
@@ -39,7 +39,7 @@ def raw_call(sock: socket.socket, reader: P.FrameReader, req: dict) -> P.Respons
 # connection and, on "go", tries every op on the victim's region through it.
 ATTACKER = DROP + r"""
 import json, socket, msgspec
-from kvtier import protocol as P
+from kvtier import protocol
 sock_path = sys.argv[1]
 drop(65534, 65534)
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -49,16 +49,16 @@ if os.fork():
     os._exit(0)  # the process the daemon saw connect is gone
 print(json.dumps({"stale_pid": stale}), flush=True)
 cmd = json.loads(sys.stdin.readline())
-reader = P.FrameReader(1 << 30)
+reader = protocol.FrameReader(1 << 30)
 def call(**req):
-    s.sendall(P.frame(msgspec.msgpack.encode(req)))
+    s.sendall(protocol.frame(msgspec.msgpack.encode(req)))
     out = []
     while not out:
         out += reader.feed(s.recv(1 << 20))
-    r = P.decode_response(out[0])
+    r = protocol.decode_response(out[0])
     return "ok" if r.ok else r.error.code
 rid = cmd["region"]
-blk = P.pack_blocks([0])
+blk = protocol.pack_blocks([0])
 res = {}
 for op, kw in [("query", {}), ("blocks", {}), ("explain", {"block": 0}), ("hint", {"blocks": blk}),
                ("phase", {"phase": "free"}), ("migrate", {"tier": 0}), ("pin", {}), ("unpin", {}),

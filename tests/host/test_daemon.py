@@ -23,7 +23,7 @@ import time
 import pytest
 import waiting
 
-from kvtier import protocol as P
+from kvtier import protocol
 from kvtier.client import Client, KvtierClientError
 
 pytestmark = pytest.mark.root
@@ -219,7 +219,7 @@ def test_register_hint_query_unregister(daemon):
         assert tiers == [0] * 16
         with daemon.client() as c:
             b = c.request("blocks", region=r["region"])
-            temps = P.unpack(b["temps"], P.TEMPS_DTYPE, "temps")
+            temps = protocol.unpack(b["temps"], protocol.TEMPS_DTYPE, "temps")
             # Counts add up per block (2+3 for block 2), then decay together.
             assert temps[0] == 0 and temps[2] > temps[15] > temps[1] > 0
             assert temps[2] / temps[1] == pytest.approx(5, rel=1e-3)
@@ -255,7 +255,7 @@ def test_restart_readopts_live_registrations(daemon):
         rd = dying("register", name="dying")
         alive("hint", blocks=[0])
         with daemon.client() as c:
-            c.request("pin", region=ra["region"], tier=0, blocks=P.pack_blocks([2, 3]))
+            c.request("pin", region=ra["region"], tier=0, blocks=protocol.pack_blocks([2, 3]))
         assert daemon.stop() == 0
         with open(daemon.state) as f:
             saved = json.load(f)
@@ -266,7 +266,7 @@ def test_restart_readopts_live_registrations(daemon):
         assert [(x["id"], x["pid"], x["name"]) for x in regs] == [(ra["region"], alive.pid, "alive")]
         # Operator pins survive the restart too.
         with daemon.client() as c:
-            flags = P.unpack(c.request("blocks", region=ra["region"])["flags"], P.FLAGS_DTYPE, "f")
+            flags = protocol.unpack(c.request("blocks", region=ra["region"])["flags"], protocol.FLAGS_DTYPE, "f")
             assert [i for i, f in enumerate(flags) if f & 16] == [2, 3]
         # The same Client object reconnects transparently and its handle is still valid.
         assert alive("hint", blocks=[3])["errors"] == []
@@ -393,9 +393,9 @@ def test_limits_give_clear_errors(workdir):
         # Oversized frame: an error, then the connection is closed.
         s = socket.socket(socket.AF_UNIX)
         s.connect(d.sock)
-        s.sendall(P.HEADER.pack(65537))
+        s.sendall(protocol.HEADER.pack(65537))
         data = s.recv(4096)
-        resp = P.decode_response(data[4:])
+        resp = protocol.decode_response(data[4:])
         assert resp.error.code == "message_too_large"
         assert s.recv(4096) == b""
         s.close()

@@ -40,7 +40,7 @@ import pkgutil
 for _m in pkgutil.walk_packages(_conjecture.__path__, _conjecture.__name__ + "."):
     importlib.import_module(_m.name)
 
-from kvtier import protocol as P
+from kvtier import protocol
 from kvtier.client import Client
 
 from test_daemon import DROP, NOBODY, DaemonProc, workdir  # noqa: F401  (fixture)
@@ -51,8 +51,8 @@ MAX_MSG = 65536
 EXAMPLES = 1700  # x 4..12 messages each: comfortably over 10,000 messages
 MIN_MESSAGES = 10_000
 
-OPS = list(P.OPS)
-FIELD_NAMES = sorted({f for t in P.REQUEST_TYPES for f in t.__struct_fields__} | {"op", "id"})
+OPS = list(protocol.OPS)
+FIELD_NAMES = sorted({f for t in protocol.REQUEST_TYPES for f in t.__struct_fields__} | {"op", "id"})
 
 ints = st.one_of(
     st.integers(-(2**63), 2**64 - 1),
@@ -61,8 +61,8 @@ ints = st.one_of(
 )
 packed = st.one_of(
     st.binary(max_size=64),
-    st.lists(st.integers(0, 2**32 - 1), max_size=32).map(lambda xs: P.pack_blocks(xs)),
-    st.lists(st.integers(0, 40), max_size=32).map(lambda xs: P.pack_blocks(xs)),
+    st.lists(st.integers(0, 2**32 - 1), max_size=32).map(lambda xs: protocol.pack_blocks(xs)),
+    st.lists(st.integers(0, 40), max_size=32).map(lambda xs: protocol.pack_blocks(xs)),
 )
 scalars = st.one_of(st.none(), st.booleans(), ints, st.floats(allow_nan=True), st.text(max_size=40), packed)
 values = st.recursive(
@@ -79,7 +79,7 @@ def request_map(draw, own_region: int):
     if draw(st.booleans()):
         d["id"] = draw(st.one_of(ints, values))
     # Mostly the op's own fields (so validation gets past the tag), some junk.
-    typ = P.OPS.get(op) if isinstance(op, str) else None
+    typ = protocol.OPS.get(op) if isinstance(op, str) else None
     names = list(typ.__struct_fields__) if typ else []
     for name in draw(st.lists(st.sampled_from(names or FIELD_NAMES), max_size=6, unique=True)):
         if name == "region":
@@ -99,14 +99,14 @@ def request_map(draw, own_region: int):
 def message(draw, own_region: int):
     kind = draw(st.sampled_from(["map"] * 6 + ["garbage", "truncated", "oversized", "empty"]))
     if kind == "map":
-        return "frame", P.frame(msgspec.msgpack.encode(draw(request_map(own_region))))
+        return "frame", protocol.frame(msgspec.msgpack.encode(draw(request_map(own_region))))
     if kind == "garbage":
-        return "frame", P.frame(draw(st.binary(min_size=1, max_size=200)))
+        return "frame", protocol.frame(draw(st.binary(min_size=1, max_size=200)))
     if kind == "truncated":
-        full = P.frame(msgspec.msgpack.encode(draw(request_map(own_region))))
+        full = protocol.frame(msgspec.msgpack.encode(draw(request_map(own_region))))
         return "truncated", full[: draw(st.integers(1, len(full) - 1))]
     if kind == "oversized":
-        return "fatal", P.HEADER.pack(draw(st.integers(MAX_MSG + 1, 2**32 - 1))) + draw(st.binary(max_size=16))
+        return "fatal", protocol.HEADER.pack(draw(st.integers(MAX_MSG + 1, 2**32 - 1))) + draw(st.binary(max_size=16))
     return "fatal", b"\0\0\0\0"
 
 
@@ -114,7 +114,7 @@ class Conn:
     def __init__(self, path: str):
         self.path = path
         self.s: socket.socket | None = None
-        self.reader = P.FrameReader(1 << 30)
+        self.reader = protocol.FrameReader(1 << 30)
         self.pending: list[bytes] = []
 
     def sock(self) -> socket.socket:
@@ -122,7 +122,7 @@ class Conn:
             self.s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self.s.settimeout(20)
             self.s.connect(self.path)
-            self.reader = P.FrameReader(1 << 30)
+            self.reader = protocol.FrameReader(1 << 30)
             self.pending = []
         return self.s
 
@@ -131,22 +131,22 @@ class Conn:
             self.s.close()
             self.s = None
 
-    def response(self) -> P.Response | None:
+    def response(self) -> protocol.Response | None:
         """Next response, or None if the daemon closed the connection."""
         while not self.pending:
             data = self.s.recv(65536)
             if not data:
                 return None
             self.pending += self.reader.feed(data)
-        return P.decode_response(self.pending.pop(0))
+        return protocol.decode_response(self.pending.pop(0))
 
 
-def check_response(resp: P.Response) -> None:
+def check_response(resp: protocol.Response) -> None:
     if resp.ok:
         assert resp.error is None
     else:
-        assert resp.error is not None and resp.error.code in P.ERROR_CODES, resp
-        assert resp.error.code != P.E_INTERNAL, resp.error.message
+        assert resp.error is not None and resp.error.code in protocol.ERROR_CODES, resp
+        assert resp.error.code != protocol.E_INTERNAL, resp.error.message
 
 
 def fuzz_child(path: str, tx) -> None:

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from kvtier import config as C
+from kvtier import config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 INSTALL = os.path.join(ROOT, "scripts", "install-systemd.sh")
@@ -73,7 +73,7 @@ def test_service_is_notify_watchdog_protected_and_hardened(installed):
     # Writable: exactly the state dir, the socket dir and DAMON's sysfs.
     rw = " ".join(u["ReadWritePaths"]).split()
     assert sorted(rw) == sorted(["/var/lib/kvtierd", "/run/kvtierd", "-/sys/kernel/mm/damon/admin"])
-    assert os.path.dirname(C.DEFAULT_STATE) == "/var/lib/kvtierd"
+    assert os.path.dirname(config.DEFAULT_STATE) == "/var/lib/kvtierd"
     caps = set(one["CapabilityBoundingSet"].split())
     assert {"CAP_SYS_NICE", "CAP_SYS_PTRACE", "CAP_SYS_ADMIN"} <= caps
     assert not caps & {"CAP_NET_ADMIN", "CAP_SYS_MODULE", "CAP_SETUID", "CAP_SYS_RAWIO", "CAP_SYS_BOOT"}
@@ -83,13 +83,13 @@ def test_service_is_notify_watchdog_protected_and_hardened(installed):
 
 def test_socket_matches_the_daemon_default(installed):
     s = {k: v[-1] for k, v in parse_unit(str(installed / "etc/systemd/system/kvtierd.socket")).items()}
-    assert s["ListenStream"] == C.DEFAULT_SOCKET
+    assert s["ListenStream"] == config.DEFAULT_SOCKET
     assert s["SocketMode"] == "0660" and s["SocketGroup"] == "kvtier" and s["Accept"] == "no"
     with open(installed / "etc/sysusers.d/kvtier.conf") as f:
         assert re.search(r"^g kvtier -$", f.read(), re.M)
     with open(installed / "etc/tmpfiles.d/kvtierd.conf") as f:
         dirs = {line.split()[1] for line in f if line.startswith("d ")}
-    assert dirs == {os.path.dirname(C.DEFAULT_SOCKET), os.path.dirname(C.DEFAULT_STATE)}
+    assert dirs == {os.path.dirname(config.DEFAULT_SOCKET), os.path.dirname(config.DEFAULT_STATE)}
 
 
 def test_exposure_score(installed):
@@ -104,7 +104,7 @@ def test_exposure_score(installed):
 def test_install_keeps_an_existing_config_and_home_dropin(installed):
     cfg = installed / "etc/kvtierd/kvtierd.toml"
     with open(cfg) as f:
-        assert f.read() == C.sample_toml()
+        assert f.read() == config.sample_toml()
     cfg.write_text("[daemon]\ntick_interval = 2.0\n")
     r = subprocess.run([INSTALL, "--root", str(installed)], capture_output=True, text=True)
     assert r.returncode == 0 and "keeping existing" in r.stdout

@@ -4,7 +4,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from kvtier import protocol as P
+from kvtier import protocol
 
 
 def enc(d):
@@ -15,7 +15,7 @@ def test_golden_register_frame():
     # The example in docs/protocol.md, byte for byte: keys in this order.
     payload = enc({"op": "register", "id": 1, "start": 0x7F0000000000, "length": 1 << 30,
                    "block_size": 2 << 20, "name": "kv"})
-    frame = P.frame(payload)
+    frame = protocol.frame(payload)
     assert frame.hex() == (
         "00000044"  # length 68
         "86"  # map of 6
@@ -26,14 +26,14 @@ def test_golden_register_frame():
         "aa" + b"block_size".hex() + "ce00200000"
         "a46e616d65" "a26b76"
     )
-    req = P.decode_request(payload)
-    assert isinstance(req, P.Register)
+    req = protocol.decode_request(payload)
+    assert isinstance(req, protocol.Register)
     assert (req.id, req.start, req.length, req.block_size, req.name) == (1, 0x7F0000000000, 1 << 30, 2 << 20, "kv")
     assert (req.tenant, req.priority, req.constraints, req.pid) == ("", 0, [], None)
 
 
 def test_golden_ok_response():
-    assert P.ok(1, {"region": 7, "blocks": 512, "block_size": 2 << 20, "pid": 1234}).hex() == (
+    assert protocol.ok(1, {"region": 7, "blocks": 512, "block_size": 2 << 20, "pid": 1234}).hex() == (
         "0000003a" "83" "a26964" "01" "a26f6b" "c3" "a6" + b"result".hex() + "84"
         "a6" + b"region".hex() + "07"
         "a6" + b"blocks".hex() + "cd0200"
@@ -43,8 +43,8 @@ def test_golden_ok_response():
 
 
 def test_golden_error_response():
-    err = P.ProtocolError(P.E_NOT_FOUND, "no region 9")
-    assert P.error(5, err).hex() == (
+    err = protocol.ProtocolError(protocol.E_NOT_FOUND, "no region 9")
+    assert protocol.error(5, err).hex() == (
         "00000033" "83" "a26964" "05" "a26f6b" "c2" "a5" + b"error".hex() + "82"
         "a4" + b"code".hex() + "a9" + b"not_found".hex() +
         "a7" + b"message".hex() + "ab" + b"no region 9".hex()
@@ -70,16 +70,16 @@ def test_golden_error_response():
     ("explain", {"region": 1, "block": 0}),
 ])
 def test_every_op_round_trips(op, fields):
-    req = P.decode_request(enc({"op": op, "id": 99, **fields}))
-    assert type(req) is P.OPS[op] and req.id == 99
+    req = protocol.decode_request(enc({"op": op, "id": 99, **fields}))
+    assert type(req) is protocol.OPS[op] and req.id == 99
     for k, v in fields.items():
         assert getattr(req, k) == v
-    again = P.FrameReader().feed(P.encode_request(req))
-    assert P.decode_request(again[0]) == req
+    again = protocol.FrameReader().feed(protocol.encode_request(req))
+    assert protocol.decode_request(again[0]) == req
 
 
 def test_ops_table_is_complete():
-    assert set(P.OPS) == {"hello", "register", "unregister", "hint", "phase", "query", "stats", "status",
+    assert set(protocol.OPS) == {"hello", "register", "unregister", "hint", "phase", "query", "stats", "status",
                           "tiers", "regions", "blocks", "migrate", "pin", "unpin", "explain"}
 
 
@@ -98,9 +98,9 @@ def test_ops_table_is_complete():
     ({"id": 3}, "op"),
 ])
 def test_invalid_requests_say_where_and_keep_the_id(doc, where):
-    with pytest.raises(P.ProtocolError) as ei:
-        P.decode_request(enc(doc))
-    assert ei.value.code == P.E_INVALID_REQUEST
+    with pytest.raises(protocol.ProtocolError) as ei:
+        protocol.decode_request(enc(doc))
+    assert ei.value.code == protocol.E_INVALID_REQUEST
     assert where in str(ei.value)
     assert ei.value.req_id == 3
     assert not ei.value.fatal
@@ -108,55 +108,55 @@ def test_invalid_requests_say_where_and_keep_the_id(doc, where):
 
 @pytest.mark.parametrize("payload", [b"\xc1", b"\x92\x01", enc([1, 2]), enc("op"), b"\x81"])
 def test_garbage_is_an_invalid_request(payload):
-    with pytest.raises(P.ProtocolError) as ei:
-        P.decode_request(payload)
-    assert ei.value.code == P.E_INVALID_REQUEST and ei.value.req_id == 0
+    with pytest.raises(protocol.ProtocolError) as ei:
+        protocol.decode_request(payload)
+    assert ei.value.code == protocol.E_INVALID_REQUEST and ei.value.req_id == 0
 
 
 def test_frame_reader_splits_and_reassembles():
-    frames = [P.encode_request(P.Unregister(id=i, region=i + 1)) for i in range(5)]
+    frames = [protocol.encode_request(protocol.Unregister(id=i, region=i + 1)) for i in range(5)]
     blob = b"".join(frames)
-    r = P.FrameReader()
+    r = protocol.FrameReader()
     got = []
     for i in range(0, len(blob), 3):  # dribbled 3 bytes at a time
         got += r.feed(blob[i:i + 3])
-    assert [P.decode_request(g).id for g in got] == list(range(5))
+    assert [protocol.decode_request(g).id for g in got] == list(range(5))
     assert r.pending == 0
-    assert len(P.FrameReader().feed(blob)) == 5
+    assert len(protocol.FrameReader().feed(blob)) == 5
 
 
 def test_oversized_frame_is_fatal_before_its_body_arrives():
-    r = P.FrameReader(max_size=4096)
-    with pytest.raises(P.ProtocolError) as ei:
-        r.feed(P.HEADER.pack(4097))
-    assert ei.value.code == P.E_TOO_LARGE and ei.value.fatal
-    assert P.FrameReader(max_size=4096).feed(P.HEADER.pack(4096)) == []
+    r = protocol.FrameReader(max_size=4096)
+    with pytest.raises(protocol.ProtocolError) as ei:
+        r.feed(protocol.HEADER.pack(4097))
+    assert ei.value.code == protocol.E_TOO_LARGE and ei.value.fatal
+    assert protocol.FrameReader(max_size=4096).feed(protocol.HEADER.pack(4096)) == []
 
 
 def test_empty_frame_is_fatal():
-    with pytest.raises(P.ProtocolError) as ei:
-        P.FrameReader().feed(b"\0\0\0\0")
-    assert ei.value.code == P.E_BAD_FRAME and ei.value.fatal
+    with pytest.raises(protocol.ProtocolError) as ei:
+        protocol.FrameReader().feed(b"\0\0\0\0")
+    assert ei.value.code == protocol.E_BAD_FRAME and ei.value.fatal
 
 
 def test_packed_arrays_are_little_endian():
-    b = P.pack_blocks([1, 256, 2**32 - 1])
+    b = protocol.pack_blocks([1, 256, 2**32 - 1])
     assert b == b"\x01\0\0\0" b"\0\x01\0\0" b"\xff\xff\xff\xff"
-    assert P.unpack(b, P.BLOCKS_DTYPE, "blocks").tolist() == [1, 256, 2**32 - 1]
-    assert P.unpack(None, P.BLOCKS_DTYPE, "blocks") is None
-    with pytest.raises(P.ProtocolError, match="not a multiple of 4"):
-        P.unpack(b"\0\0\0", P.BLOCKS_DTYPE, "blocks")
+    assert protocol.unpack(b, protocol.BLOCKS_DTYPE, "blocks").tolist() == [1, 256, 2**32 - 1]
+    assert protocol.unpack(None, protocol.BLOCKS_DTYPE, "blocks") is None
+    with pytest.raises(protocol.ProtocolError, match="not a multiple of 4"):
+        protocol.unpack(b"\0\0\0", protocol.BLOCKS_DTYPE, "blocks")
 
 
 def test_response_decodes():
-    r = P.decode_response(P.FrameReader().feed(P.ok(4, {"tiers": np.zeros(3, np.int8).tobytes()}))[0])
+    r = protocol.decode_response(protocol.FrameReader().feed(protocol.ok(4, {"tiers": np.zeros(3, np.int8).tobytes()}))[0])
     assert r.ok and r.id == 4 and r.result == {"tiers": b"\0\0\0"} and r.error is None
-    e = P.decode_response(P.FrameReader().feed(P.error(4, P.ProtocolError(P.E_RATE, "slow", retry_after_ms=3)))[0])
-    assert not e.ok and e.error.code == P.E_RATE and e.error.retry_after_ms == 3
+    e = protocol.decode_response(protocol.FrameReader().feed(protocol.error(4, protocol.ProtocolError(protocol.E_RATE, "slow", retry_after_ms=3)))[0])
+    assert not e.ok and e.error.code == protocol.E_RATE and e.error.retry_after_ms == 3
 
 
 def test_error_codes_are_unique():
-    assert len(set(P.ERROR_CODES)) == len(P.ERROR_CODES)
+    assert len(set(protocol.ERROR_CODES)) == len(protocol.ERROR_CODES)
 
 
 def test_kvtierctl_block_lists_pack_to_the_wire_format():
@@ -164,7 +164,7 @@ def test_kvtierctl_block_lists_pack_to_the_wire_format():
 
     from kvtier.ctl import parse_blocks
 
-    assert P.unpack(parse_blocks("0-3,7, 9-9"), P.BLOCKS_DTYPE, "b").tolist() == [0, 1, 2, 3, 7, 9]
+    assert protocol.unpack(parse_blocks("0-3,7, 9-9"), protocol.BLOCKS_DTYPE, "b").tolist() == [0, 1, 2, 3, 7, 9]
     assert parse_blocks(None) is None and parse_blocks("") == b""
     for bad in ("3-1", "x", "-2", "1-2-3"):
         with pytest.raises(argparse.ArgumentTypeError):

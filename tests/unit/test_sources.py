@@ -234,7 +234,7 @@ def test_kpageflags_source_reports_fraction_of_pages_referenced(tmp_path):
     u64_file(proc / "kpageflags", {1004: ref, 1005: ref, 1006: ref, 1007: ref, 1012: ref, 1013: ref | 1}, 2048)
     obs = src.collect(1.0)
     assert obs.rows.tolist() == [1, 3] and obs.counts.tolist() == [1.0, 0.5]
-    assert obs.source == "access_bit"
+    assert obs.source == "access_bits"
     src.close()
 
 
@@ -256,13 +256,13 @@ def test_build_from_config_and_probe_table(tmp_path):
 
     srcs = sources.build({"damon": {"aggr_us": 200_000}, "perf": {"enabled": False}},
                          str(tmp_path), str(tmp_path), dry_run=True)
-    assert [s.name for s in srcs] == ["damon", "access_bit", "perf_fault"]
+    assert [s.name for s in srcs] == ["damon", "access_bits", "perf_fault"]
     assert srcs[0].params.aggr_us == 200_000 and srcs[0].io.dry_run
     # Nothing of the kernel's below these roots: every source says why not,
     # except perf faults, which need only perf_event_open on this machine.
     table = sources.probe_all(srcs[:2])
     assert not table["damon"].ok and "CONFIG_DAMON_SYSFS" in table["damon"].reason
-    assert not table["access_bit"].ok and "kpageflags absent" in table["access_bit"].reason
+    assert not table["access_bits"].ok and "kpageflags absent" in table["access_bits"].reason
     with pytest.raises(ConfigError, match=r"hotness.damon: unknown key\(s\) aggr_ms"):
         sources.build({"damon": {"aggr_ms": 5}})
     with pytest.raises(ConfigError, match="min_nr_regions"):
@@ -286,7 +286,7 @@ def test_access_bits_stand_down_where_damon_runs():
         def set_targets(self, table): ...
         def collect(self, now): ...
 
-    d, a = Fake("damon", True), Fake("access_bit", True)
+    d, a = Fake("damon", True), Fake("access_bits", True)
     table = sources.probe_all([d, a])
-    assert table["damon"].ok and not table["access_bit"].ok and not a.probed
-    assert "DAMON vaddr runs" in table["access_bit"].reason
+    assert table["damon"].ok and not table["access_bits"].ok and not a.probed
+    assert "DAMON vaddr runs" in table["access_bits"].reason

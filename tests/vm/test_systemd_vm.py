@@ -27,7 +27,7 @@ import pytest
 import waiting
 
 from kvtier.kernel import native
-from kvtier import protocol as P
+from kvtier import protocol
 from kvtier.client import Client
 from kvtier.kernel.procfs import PM_SWAP, Pagemap
 from vmhelpers import CXL_NODE, DRAM_NODE, FAR_NODE, MiB, numa_maps_nodes
@@ -192,7 +192,7 @@ def test_hardened_unit_migrates_to_far_and_cxl_and_pages_out_to_nvme_swap(runnin
             # then the same two ops from the client for the other blocks.
             ctl("migrate", str(region.id), str(far), "--blocks", "0", "--pin")
             for blk, tier in ((1, cxl), (2, swap)):
-                blocks = P.pack_blocks(np.array([blk]))
+                blocks = protocol.pack_blocks(np.array([blk]))
                 kv.request("migrate", region=region.id, tier=tier, blocks=blocks)
                 kv.request("pin", region=region.id, tier=tier, blocks=blocks)
             pages = np.uint64(addr) + np.arange(4 * block // PAGE, dtype=np.uint64) * np.uint64(PAGE)

@@ -32,8 +32,6 @@ MPOL_DEFAULT = lib.MPOL_DEFAULT
 MPOL_PREFERRED = lib.MPOL_PREFERRED
 MPOL_BIND = lib.MPOL_BIND
 MPOL_INTERLEAVE = lib.MPOL_INTERLEAVE
-MPOL_F_NODE = lib.MPOL_F_NODE
-MPOL_F_ADDR = lib.MPOL_F_ADDR
 MADV_PAGEOUT = lib.MADV_PAGEOUT
 MADV_COLD = lib.MADV_COLD
 MADV_WILLNEED = lib.MADV_WILLNEED
@@ -172,15 +170,6 @@ def mbind(addr: int, length: int, mode: int, nodes: Iterable[int], flags: int = 
     )
     if rc < 0:
         raise os_error(_errno(), f"mbind(0x{addr:x}, {length}, mode={mode})")
-
-
-def get_mempolicy_node(addr: int) -> int:
-    """Node backing the calling process's page at ``addr`` (faults it in if absent)."""
-    mode = ffi.new("int *")
-    rc = lib.kvt_get_mempolicy(mode, ffi.NULL, 0, ffi.cast("void *", addr), MPOL_F_NODE | MPOL_F_ADDR)
-    if rc < 0:
-        raise os_error(_errno(), f"get_mempolicy(0x{addr:x})")
-    return int(mode[0])
 
 
 def pidfd_open(pid: int) -> int:

@@ -19,7 +19,6 @@ PROC_MAPS = "maps"
 PROC_STAT = "stat"
 PROC_STATUS = "status"
 PROC_PAGEMAP = "pagemap"
-PROC_NUMA_MAPS = "numa_maps"
 PROC_CLEAR_REFS = "clear_refs"
 
 # /proc/PID/pagemap entry bits (Documentation/admin-guide/mm/pagemap.rst)
@@ -202,23 +201,6 @@ class Pagemap:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def read_numa_maps(pid: int, proc_root: str = "/proc") -> dict[int, dict[int, int]]:
-    """{mapping start: {node: pages}} from /proc/PID/numa_maps (Nn=pages fields)."""
-    out: dict[int, dict[int, int]] = {}
-    for line in _read_text(proc_root, pid, PROC_NUMA_MAPS).splitlines():
-        parts = line.split()
-        if not parts:
-            continue
-        nodes: dict[int, int] = {}
-        for p in parts[2:]:
-            if p[0] == "N" and "=" in p:
-                k, v = p[1:].split("=", 1)
-                if k.isdigit():
-                    nodes[int(k)] = int(v)
-        out[int(parts[0], 16)] = nodes
-    return out
 
 
 def clear_refs(pid: int, proc_root: str = "/proc", what: str = "1") -> None:

@@ -53,7 +53,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from kvtier.kernel import sysfs as k
+from kvtier.kernel import sysfs
 from kvtier.blocks import TIER_UNKNOWN
 from kvtier.errors import ConfigError, InvalidArgument, KvtierOSError
 
@@ -77,10 +77,10 @@ SRC_CONFIG = "config"
 SWAP_FILE = "file"
 SWAP_PARTITION = "partition"
 
-_NODE_RE = re.compile(rf"^{k.NODE_PREFIX}(\d+)$")
-_MEMTIER_RE = re.compile(rf"^{k.MEMTIER_PREFIX}(\d+)$")
-_BLOCK_RE = re.compile(rf"^{k.MEMORY_BLOCK_PREFIX}(\d+)$")
-_REGION_RE = re.compile(rf"^{k.CXL_REGION_PREFIX}(\d+)$")
+_NODE_RE = re.compile(rf"^{sysfs.NODE_PREFIX}(\d+)$")
+_MEMTIER_RE = re.compile(rf"^{sysfs.MEMTIER_PREFIX}(\d+)$")
+_BLOCK_RE = re.compile(rf"^{sysfs.MEMORY_BLOCK_PREFIX}(\d+)$")
+_REGION_RE = re.compile(rf"^{sysfs.CXL_REGION_PREFIX}(\d+)$")
 _TIER_INT8_MAX = int(np.iinfo(np.int8).max)
 
 
@@ -166,12 +166,6 @@ class Topology:
         except KeyError:
             raise InvalidArgument(f"node {node} belongs to no tier") from None
 
-    def tier_named(self, name: str) -> Tier:
-        for t in self.tiers:
-            if t.name == name:
-                return t
-        raise InvalidArgument(f"no tier named {name!r}")
-
     @property
     def swap_tier(self) -> Tier | None:
         last = self.tiers[-1] if self.tiers else None
@@ -198,9 +192,9 @@ class Topology:
         for info in self.nodes.values():
             if info.kind == KIND_CPU_ONLY or not info.meminfo_path:
                 continue
-            mi = k.read_meminfo(info.meminfo_path)
-            info.total = mi.get(k.MEMINFO_TOTAL, info.total)
-            info.free = mi.get(k.MEMINFO_FREE, info.free)
+            mi = sysfs.read_meminfo(info.meminfo_path)
+            info.total = mi.get(sysfs.MEMINFO_TOTAL, info.total)
+            info.free = mi.get(sysfs.MEMINFO_FREE, info.free)
         if self.swap_devices:
             current = {s.path: s for s in read_swaps(self.proc_root)}
             for dev in self.swap_devices:
@@ -253,13 +247,13 @@ class Topology:
 
 
 def _node_path(sys_root: str, *parts: str) -> str:
-    return k.path(sys_root, k.NODE_DIR, *parts)
+    return sysfs.path(sys_root, sysfs.NODE_DIR, *parts)
 
 
 def _read_perf(node_dir: str) -> Perf | None:
-    for access in k.HMAT_ACCESS_CLASSES:
-        base = os.path.join(node_dir, access, k.HMAT_INITIATORS)
-        vals = [k.read_int(os.path.join(base, f)) for f in k.HMAT_FILES]
+    for access in sysfs.HMAT_ACCESS_CLASSES:
+        base = os.path.join(node_dir, access, sysfs.HMAT_INITIATORS)
+        vals = [sysfs.read_int(os.path.join(base, f)) for f in sysfs.HMAT_FILES]
         if any(v is not None for v in vals):
             # The kernel prints 0 for a value HMAT did not provide.
             vals = [v if v else None for v in vals]
@@ -269,15 +263,15 @@ def _read_perf(node_dir: str) -> Perf | None:
 
 def _read_memory_tiers(sys_root: str) -> dict[int, int] | None:
     """node -> kernel memory tier id, or None when the kernel has no tiers."""
-    base = k.path(sys_root, k.MEMTIER_DIR)
+    base = sysfs.path(sys_root, sysfs.MEMTIER_DIR)
     if not os.path.isdir(base):
         return None
     out: dict[int, int] = {}
-    for name in k.listdir(base):
+    for name in sysfs.listdir(base):
         m = _MEMTIER_RE.match(name)
         if not m:
             continue
-        for node in k.read_list(os.path.join(base, name, k.MEMTIER_NODELIST)) or []:
+        for node in sysfs.read_list(os.path.join(base, name, sysfs.MEMTIER_NODELIST)) or []:
             out[node] = int(m.group(1))
     return out
 
@@ -285,7 +279,7 @@ def _read_memory_tiers(sys_root: str) -> dict[int, int] | None:
 def _link_components(link: str) -> list[str]:
     """Path components of a symlink's target, normalised without resolving
     (fixture trees hold the link but not always everything it points into)."""
-    target = k.readlink(link)
+    target = sysfs.readlink(link)
     if target is None:
         return []
     full = os.path.normpath(os.path.join(os.path.dirname(link), target))
@@ -295,14 +289,14 @@ def _link_components(link: str) -> list[str]:
 def _cxl_regions(sys_root: str) -> dict[str, tuple[int, int] | None]:
     """CXL region name -> (start, size) of its host physical range, or None
     when unknown (a region still being assembled prints -1/0)."""
-    base = k.path(sys_root, k.CXL_DEVICES)
+    base = sysfs.path(sys_root, sysfs.CXL_DEVICES)
     out: dict[str, tuple[int, int] | None] = {}
-    for name in k.listdir(base):
+    for name in sysfs.listdir(base):
         if not _REGION_RE.match(name):
             continue
         try:
-            start = k.read_int(os.path.join(base, name, k.CXL_REGION_RESOURCE), 16)
-            size = k.read_int(os.path.join(base, name, k.CXL_REGION_SIZE), 16)
+            start = sysfs.read_int(os.path.join(base, name, sysfs.CXL_REGION_RESOURCE), 16)
+            size = sysfs.read_int(os.path.join(base, name, sysfs.CXL_REGION_SIZE), 16)
         except KvtierOSError:
             start = size = None
         out[name] = (start, size) if start is not None and size else None
@@ -317,9 +311,9 @@ def _cxl_evidence(sys_root: str, memory_nodes: Iterable[int]) -> dict[int, str]:
     wanted = set(memory_nodes)
     out: dict[int, str] = {}
     # Rule (a): a DAX device below a CXL region, onlined to the node.
-    dax_base = k.path(sys_root, k.DAX_DEVICES)
-    for dax in k.listdir(dax_base):
-        node = k.read_int(os.path.join(dax_base, dax, k.DAX_TARGET_NODE))
+    dax_base = sysfs.path(sys_root, sysfs.DAX_DEVICES)
+    for dax in sysfs.listdir(dax_base):
+        node = sysfs.read_int(os.path.join(dax_base, dax, sysfs.DAX_TARGET_NODE))
         if node not in wanted or node in out:
             continue
         for comp in _link_components(os.path.join(dax_base, dax)):
@@ -327,11 +321,11 @@ def _cxl_evidence(sys_root: str, memory_nodes: Iterable[int]) -> dict[int, str]:
                 out[node] = f"{dax} in {comp}"
                 break
     # Rule (b): a memory block of the node inside a region's physical range.
-    block_size = k.read_int(k.path(sys_root, k.MEMORY_BLOCK_SIZE), 16)
+    block_size = sysfs.read_int(sysfs.path(sys_root, sysfs.MEMORY_BLOCK_SIZE), 16)
     ranges = [(n, r) for n, r in regions.items() if r is not None]
     if block_size and ranges:
         for node in sorted(wanted - set(out)):
-            for entry in k.listdir(_node_path(sys_root, f"{k.NODE_PREFIX}{node}")):
+            for entry in sysfs.listdir(_node_path(sys_root, f"{sysfs.NODE_PREFIX}{node}")):
                 m = _BLOCK_RE.match(entry)
                 if not m:
                     continue
@@ -349,25 +343,25 @@ def _read_nodes(sys_root: str, proc_root: str, warnings: list[str]) -> dict[int,
         # CONFIG_NUMA=n kernels have no node directory: the machine is one
         # DRAM node whose memory /proc/meminfo describes.
         warnings.append(f"{base} absent (kernel without NUMA): one DRAM node assumed")
-        meminfo = k.path(proc_root, k.PROC_MEMINFO)
-        mi = k.read_meminfo(meminfo)
-        cpus = tuple(k.read_list(k.path(sys_root, k.CPU_ONLINE)) or ())
-        info = NodeInfo(0, KIND_DRAM, cpus, mi.get(k.MEMINFO_TOTAL, 0), mi.get(k.MEMINFO_FREE, 0),
+        meminfo = sysfs.path(proc_root, sysfs.PROC_MEMINFO)
+        mi = sysfs.read_meminfo(meminfo)
+        cpus = tuple(sysfs.read_list(sysfs.path(sys_root, sysfs.CPU_ONLINE)) or ())
+        info = NodeInfo(0, KIND_DRAM, cpus, mi.get(sysfs.MEMINFO_TOTAL, 0), mi.get(sysfs.MEMINFO_FREE, 0),
                         {0: 10}, None, None, None, meminfo_path=meminfo)
         return {0: info}
-    online = k.read_list(os.path.join(base, k.NODE_ONLINE))
+    online = sysfs.read_list(os.path.join(base, sysfs.NODE_ONLINE))
     if online is None:
-        online = sorted(int(m.group(1)) for m in map(_NODE_RE.match, k.listdir(base)) if m)
-    has_memory = k.read_list(os.path.join(base, k.NODE_HAS_MEMORY))
-    has_cpu = k.read_list(os.path.join(base, k.NODE_HAS_CPU))
+        online = sorted(int(m.group(1)) for m in map(_NODE_RE.match, sysfs.listdir(base)) if m)
+    has_memory = sysfs.read_list(os.path.join(base, sysfs.NODE_HAS_MEMORY))
+    has_cpu = sysfs.read_list(os.path.join(base, sysfs.NODE_HAS_CPU))
     nodes: dict[int, NodeInfo] = {}
     for node in online:
-        ndir = os.path.join(base, f"{k.NODE_PREFIX}{node}")
-        cpus = tuple(k.read_list(os.path.join(ndir, k.NODE_CPULIST)) or ())
-        meminfo = os.path.join(ndir, k.NODE_MEMINFO)
-        mi = k.read_meminfo(meminfo)
-        total, free = mi.get(k.MEMINFO_TOTAL, 0), mi.get(k.MEMINFO_FREE, 0)
-        dist_row = (k.read_text(os.path.join(ndir, k.NODE_DISTANCE)) or "").split()
+        ndir = os.path.join(base, f"{sysfs.NODE_PREFIX}{node}")
+        cpus = tuple(sysfs.read_list(os.path.join(ndir, sysfs.NODE_CPULIST)) or ())
+        meminfo = os.path.join(ndir, sysfs.NODE_MEMINFO)
+        mi = sysfs.read_meminfo(meminfo)
+        total, free = mi.get(sysfs.MEMINFO_TOTAL, 0), mi.get(sysfs.MEMINFO_FREE, 0)
+        dist_row = (sysfs.read_text(os.path.join(ndir, sysfs.NODE_DISTANCE)) or "").split()
         # The distance file lists one entry per online node, in node order.
         distances = {other: int(d) for other, d in zip(online, dist_row)}
         with_cpu = bool(cpus) if has_cpu is None else node in has_cpu
@@ -386,9 +380,9 @@ def _read_nodes(sys_root: str, proc_root: str, warnings: list[str]) -> dict[int,
 def read_swaps(proc_root: str = "/proc") -> list[SwapDevice]:
     """Active swap areas from /proc/swaps, unresolved: ``block``, ``disk``
     and ``transport`` are filled in by discover()."""
-    text = k.read_text(k.path(proc_root, k.PROC_SWAPS)) or ""
+    text = sysfs.read_text(sysfs.path(proc_root, sysfs.PROC_SWAPS)) or ""
     return [SwapDevice(p, t, size, used, prio, None, None, None, False, None)
-            for p, t, size, used, prio in k.parse_swaps(text)]
+            for p, t, size, used, prio in sysfs.parse_swaps(text)]
 
 
 def _is_real_root(sys_root: str, proc_root: str) -> bool:
@@ -396,7 +390,7 @@ def _is_real_root(sys_root: str, proc_root: str) -> bool:
 
 
 def _fixture_meta(sys_root: str) -> dict[str, Any]:
-    meta = os.path.join(os.path.dirname(os.path.normpath(os.path.abspath(sys_root))), k.FIXTURE_META)
+    meta = os.path.join(os.path.dirname(os.path.normpath(os.path.abspath(sys_root))), sysfs.FIXTURE_META)
     try:
         with open(meta, encoding="utf-8") as f:
             return json.load(f)
@@ -423,17 +417,17 @@ def _file_device(path: str, sys_root: str, real: bool, meta: Mapping[str, Any]) 
     # Major 0 is an anonymous device (btrfs, overlay, tmpfs): no block device.
     if majmin.startswith("0:"):
         return None
-    target = k.readlink(k.path(sys_root, k.DEV_BLOCK_DIR, majmin))
+    target = sysfs.readlink(sysfs.path(sys_root, sysfs.DEV_BLOCK_DIR, majmin))
     return os.path.basename(target) if target else None
 
 
 def _disk_of(sys_root: str, name: str) -> str | None:
     """The /sys/block disk that is or holds block device ``name``."""
-    base = k.path(sys_root, k.BLOCK_DIR)
+    base = sysfs.path(sys_root, sysfs.BLOCK_DIR)
     if os.path.isdir(os.path.join(base, name)):
         return name
-    for disk in k.listdir(base):
-        if os.path.exists(os.path.join(base, disk, name, k.BLOCK_PARTITION)):
+    for disk in sysfs.listdir(base):
+        if os.path.exists(os.path.join(base, disk, name, sysfs.BLOCK_PARTITION)):
             return disk
     return None
 
@@ -441,15 +435,15 @@ def _disk_of(sys_root: str, name: str) -> str | None:
 def _transport(sys_root: str, disk: str, depth: int = 0) -> tuple[str, bool]:
     """(transport, is NVMe) of a /sys/block disk. Device-mapper and md disks
     count as NVMe when every device underneath them does."""
-    ddir = k.path(sys_root, k.BLOCK_DIR, disk)
+    ddir = sysfs.path(sys_root, sysfs.BLOCK_DIR, disk)
     if disk.startswith(("dm-", "md")):
-        slaves = k.listdir(os.path.join(ddir, k.BLOCK_SLAVES))
+        slaves = sysfs.listdir(os.path.join(ddir, sysfs.BLOCK_SLAVES))
         under = [_disk_of(sys_root, s) for s in slaves]
         nvme = bool(under) and depth < 4 and all(
             u is not None and _transport(sys_root, u, depth + 1)[1] for u in under
         )
         return ("dm" if disk.startswith("dm-") else "md"), nvme
-    comps = _link_components(os.path.join(ddir, k.BLOCK_DEVICE_LINK))
+    comps = _link_components(os.path.join(ddir, sysfs.BLOCK_DEVICE_LINK))
     # The namespace's device link points at the controller (.../nvme/nvme0);
     # the name prefix covers fixture trees that lack the link.
     if disk.startswith("nvme") or any(re.match(r"^nvme\d+$", c) for c in comps):
@@ -472,7 +466,7 @@ def _resolve_swap(dev: SwapDevice, sys_root: str, real: bool, meta: Mapping[str,
         return
     dev.block, dev.disk = block, disk
     dev.transport, dev.nvme = _transport(sys_root, disk)
-    rot = k.read_int(k.path(sys_root, k.BLOCK_DIR, disk, k.BLOCK_ROTATIONAL))
+    rot = sysfs.read_int(sysfs.path(sys_root, sysfs.BLOCK_DIR, disk, sysfs.BLOCK_ROTATIONAL))
     dev.rotational = None if rot is None else bool(rot)
 
 
@@ -508,14 +502,14 @@ _KIND_DRAM_RANK = -1  # DRAM's place in the kind component, ahead of far (0) and
 
 def _explain(prev: tuple, cur: tuple) -> tuple[str, str]:
     """Which order-key component puts ``cur`` after ``prev``: (source, note)."""
-    for src, a, b in zip(_KEY_SOURCES, prev, cur):
+    for order_source, a, b in zip(_KEY_SOURCES, prev, cur):
         if a == b:
             continue
-        if src == SRC_KIND:
+        if order_source == SRC_KIND:
             what = "CPU-less memory after DRAM" if a == _KIND_DRAM_RANK else "CXL after plain far memory"
-            return src, f"{what} (no measurement separates them)"
+            return order_source, f"{what} (no measurement separates them)"
         shown = ["unknown" if v == math.inf else v for v in (a, b)]
-        return src, _KEY_FORMATS[src].format(prev=shown[0], cur=shown[1])
+        return order_source, _KEY_FORMATS[order_source].format(prev=shown[0], cur=shown[1])
     raise AssertionError("tiers are grouped by key, so neighbours differ")
 
 
@@ -534,8 +528,9 @@ def _group_tiers(nodes: Mapping[int, NodeInfo]) -> list[tuple[str, list[NodeInfo
         prev = min(_order_key(n)[:3] for n in dram) + (_KIND_DRAM_RANK,)
     for key in sorted(groups):
         members = groups[key]
-        src, note = _explain(prev, key) if prev is not None else (SRC_NODE, "fastest memory found (no DRAM node)")
-        out.append((members[0].kind, members, src, note))
+        order_source, note = (_explain(prev, key) if prev is not None
+                              else (SRC_NODE, "fastest memory found (no DRAM node)"))
+        out.append((members[0].kind, members, order_source, note))
         prev = key
     return out
 
@@ -757,13 +752,13 @@ def _add_memory_tiers(
     topo: Topology, groups: list[tuple[str, list[NodeInfo], str, str]], specs: list[dict[str, Any]] | None
 ) -> None:
     counters: dict[str, int] = {}
-    for i, (kind, members, src, note) in enumerate(groups):
+    for i, (kind, members, order_source, note) in enumerate(groups):
         spec = specs[i] if specs else {}
         n = counters.get(kind, 0)
         counters[kind] = n + 1
         # "dram" for the first DRAM tier, then far0, cxl0, far1... by kind.
         name = spec.get("name") or (KIND_DRAM if kind == KIND_DRAM and n == 0 else f"{kind}{n}")
-        tier = Tier(i, name, kind, tuple(m.node for m in members), 0, 0, 0, order_source=src,
+        tier = Tier(i, name, kind, tuple(m.node for m in members), 0, 0, 0, order_source=order_source,
                     capacity_limit=spec.get("capacity"))
         tier.notes.append(note)
         tier.notes.extend(f"cxl: {m.cxl}" for m in members if m.cxl)

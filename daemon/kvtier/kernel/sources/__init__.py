@@ -81,9 +81,9 @@ def probe_all(sources: list[Source], *, exclusive_sampling: bool = True) -> dict
     not used where DAMON runs: both would clear the same page-table accessed
     bits and each would see only what the other left."""
     table: dict[str, Availability] = {}
-    for src in sources:
-        if exclusive_sampling and src.name == "access_bit" and table.get("damon"):
-            table[src.name] = Availability(False, "not needed: DAMON vaddr runs (both would clear the same accessed bits)")
+    for source in sources:
+        if exclusive_sampling and source.name == "access_bits" and table.get("damon"):
+            table[source.name] = Availability(False, "not needed: DAMON vaddr runs (both would clear the same accessed bits)")
             continue
-        table[src.name] = src.probe()
+        table[source.name] = source.probe()
     return table

@@ -212,10 +212,10 @@ def self_test(bits: AccessBits, proc_root: str, npages: int = SELFTEST_PAGES) ->
 
 
 class AccessBitSource(Source):
-    name = "access_bit"
+    name = "access_bits"
 
     def __init__(self, sys_root: str = "/sys", proc_root: str = "/proc", *, mode: str = "auto",
-                 weight: float = SOURCE_WEIGHTS["access_bit"]):
+                 weight: float = SOURCE_WEIGHTS["access_bits"]):
         if mode != "auto" and mode not in MODES:
             raise ValueError(f"hotness.access_bits.mode: {mode!r} not in auto, {', '.join(MODES)}")
         self.sys_root = sys_root

@@ -3,11 +3,11 @@
 A source measures accesses; it does not keep temperatures. The engine owns
 the loop and, for each source that probed available:
 
-    src.probe()                 once at start -> Availability(ok, reason)
-    src.set_targets(table)      whenever regions were added or removed
-    obs = src.collect(now)      once per tick -> Observation
+    source.probe()              once at start -> Availability(ok, reason)
+    source.set_targets(table)   whenever regions were added or removed
+    obs = source.collect(now)   once per tick -> Observation
     temperature.add(table, obs.rows, obs.counts, now, obs.weight)
-    src.close()                 at shutdown (releases kdamonds, perf fds)
+    source.close()              at shutdown (releases kdamonds, perf fds)
 
 Contract:
 - ``collect`` returns rows of the table as it was at the last
