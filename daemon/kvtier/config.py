@@ -41,6 +41,8 @@ from kvtier.kernel.sources.perf import LoadSampleSource, MajorFaultSource
 from kvtier.metrics import MetricsConfig
 from kvtier.policy import PolicyConfig
 from kvtier.protocol import DEFAULT_MAX_MESSAGE, DEFAULT_SOCKET
+from kvtier.watch import Rule as _WatchRule
+from kvtier.watch import parse_rules as _parse_watch_rules
 
 DEFAULT_PATH = "/etc/kvtierd/kvtierd.toml"
 DEFAULT_STATE = "/var/lib/kvtierd/state.json"
@@ -184,6 +186,8 @@ OPTIONS: tuple[Option, ...] = (
            "Plan and record migrations but do not move any page."),
     Option("daemon", "log_level", str, "info", "Logging level.",
            choices=("debug", "info", "warning", "error")),
+    Option("daemon", "watch_interval", float, 2.0,
+           "Seconds between scans for processes matching [[watch]] rules and for their mappings.", 0.1, 3600.0),
     # -- security -------------------------------------------------------
     Option("security", "admin_group", str, "",
            "Members act as root on the socket: register any process's memory, use any region; root always may.",
@@ -308,6 +312,33 @@ SECTION_DOCS = {
     "metrics": "Prometheus exporter.",
 }
 
+# Arrays of tables: ``[[watch]]`` holds one zero-integration rule per table
+# (kvtier.watch). These rows declare the keys of each entry, validated by the
+# same check_value; defaults come from kvtier.watch.Rule.
+_WR = _WatchRule
+REPEATED: dict[str, tuple[Option, ...]] = {
+    "watch": (
+        Option("watch", "name", str, "", "Rule name, shown in kvtierctl regions (empty: watchN)."),
+        Option("watch", "exe", str, _WR.exe,
+               "Executable to match: its file name, or the full path when it contains '/'."),
+        Option("watch", "cmdline", str, "",
+               "Regular expression searched in the command line (arguments joined by spaces)."),
+        Option("watch", "cgroup", str, _WR.cgroup,
+               "cgroup path (e.g. /system.slice/vllm.service); matches it and below."),
+        Option("watch", "uid", int, _WR.uid, "Real user id to match; -1: any.", -1, (1 << 32) - 1),
+        Option("watch", "min_rss", int, _WR.min_rss,
+               "Only processes whose resident set is at least this many bytes.", 0, 1 << 62),
+        Option("watch", "min_mapping", int, _WR.min_mapping,
+               "Adopt private anonymous or shared-memory mappings at least this large.", 4096, 1 << 62),
+        Option("watch", "block_size", int, _WR.block_size, "Block size of adopted regions.", 4096, 1 << 40),
+        Option("watch", "tenant", str, _WR.tenant,
+               "Tenant of adopted regions; empty: the last component of the process's cgroup path.", hi=64),
+        Option("watch", "priority", int, _WR.priority, "Priority of adopted regions.", -100, 100),
+    ),
+}
+SECTION_DOCS["watch"] = ("Zero-integration mode: adopt the memory of processes that cannot register "
+                         "(one [[watch]] table per rule; every key given must match).")
+
 _BY_KEY = {o.key: o for o in OPTIONS}
 SECTIONS = tuple(dict.fromkeys(o.section for o in OPTIONS))
 # Every table a document may hold: the sections and the tables above them.
@@ -327,9 +358,14 @@ class Config:
     ``cfg.table("policy")`` is one table as a dict; ``cfg.source`` says where
     it came from."""
 
-    def __init__(self, values: dict[str, Any], source: str = "<defaults>"):
+    def __init__(self, values: dict[str, Any], source: str = "<defaults>",
+                 repeated: dict[str, list[dict[str, Any]]] | None = None):
         self.values = values
         self.source = source
+        # ``cfg.watch``: one namespace per [[watch]] entry, defaults filled in.
+        self.repeated = {sec: list((repeated or {}).get(sec, ())) for sec in REPEATED}
+        for sec, entries in self.repeated.items():
+            setattr(self, sec, [SimpleNamespace(**e) for e in entries])
         for sec in SECTIONS:
             ns: Any = self
             for part in sec.split("."):
@@ -359,6 +395,7 @@ class Config:
             for part in o.section.split("."):
                 tbl = tbl.setdefault(part, {})
             tbl[o.name] = self.values[o.key]
+        out.update((sec, [dict(e) for e in entries]) for sec, entries in self.repeated.items())
         return out
 
 
@@ -471,8 +508,10 @@ def from_dict(data: dict[str, Any], source: str = "<dict>") -> Config:
     """Validate a parsed TOML document; unknown keys and tables are errors
     (a typo must not silently fall back to a default)."""
     values = {o.key: o.default for o in OPTIONS}
-    _walk("", data, values)
-    cfg = Config(values, source)
+    repeated = {sec: _entries(sec, data[sec]) for sec in REPEATED if sec in data}
+    _parse_watch_rules(repeated.get("watch", ()))  # selectors, regex: what one key cannot show
+    _walk("", {k: v for k, v in data.items() if k not in REPEATED}, values)
+    cfg = Config(values, source, repeated)
     for section, table_check in TABLE_CHECKS.items():
         try:
             table_check(cfg)
@@ -480,6 +519,26 @@ def from_dict(data: dict[str, Any], source: str = "<dict>") -> Config:
             msg = str(e)
             raise ConfigError(msg if msg.startswith(section) else f"{section}: {msg}") from None
     return cfg
+
+
+def _entries(sec: str, entries: Any) -> list[dict[str, Any]]:
+    """An array of tables, each entry's keys checked against REPEATED[sec]."""
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise ConfigError(f"{sec}: expected an array of tables ([[{sec}]]), {_got(entries)}")
+    rows = {o.name: o for o in REPEATED[sec]}
+    out = []
+    for i, entry in enumerate(entries):
+        values = {name: o.default for name, o in rows.items()}
+        for name, value in entry.items():
+            opt = rows.get(name)
+            if opt is None:
+                raise ConfigError(f"{sec}[{i}].{name}: unknown option (known in [[{sec}]]: {', '.join(rows)})")
+            try:
+                values[name] = check_value(opt, value)
+            except ConfigError as e:
+                raise ConfigError(f"{sec}[{i}]" + str(e)[len(sec):]) from None
+        out.append(values)
+    return out
 
 
 def parse_override(item: str) -> tuple[str, Any]:
@@ -570,5 +629,16 @@ def sample_toml() -> str:
             lines += textwrap.wrap(doc, 78, initial_indent="# ", subsequent_indent="# ",
                                    break_on_hyphens=False)
             lines.append(f"#{o.name} = {_toml_value(o.default, o)}")
+    for sec, rows in REPEATED.items():
+        lines += ["", *textwrap.wrap(SECTION_DOCS[sec], 78, initial_indent="# ", subsequent_indent="# "),
+                  f"# [[{sec}]]"]
+        for o in rows:
+            bounds = o.bounds_text()
+            doc = f"{o.doc} ({o.type_name()}{'; ' + bounds if bounds else ''})"
+            lines += textwrap.wrap(doc, 78, initial_indent="# ", subsequent_indent="# ",
+                                   break_on_hyphens=False)
+            # "# key = value", not "#key": uncommented alone it would land in
+            # the table above; a rule is uncommented with its [[watch]] line.
+            lines.append(f"# {o.name} = {_toml_value(o.default, o)}")
     lines.append("")
     return "\n".join(lines)

@@ -29,6 +29,7 @@ from typing import Any
 
 from kvtier import config
 from kvtier import hotness, logs, state
+from kvtier import watch as watch_mod
 from kvtier import metrics as metrics_mod
 from kvtier.kernel import sources as sources_mod
 from kvtier import policy as pol
@@ -128,6 +129,10 @@ class Daemon:
             self.metrics = metrics_mod.MetricsExporter.from_config(
                 mcfg, self.stats, self.registry, self.table, lambda: self.engine.topology, proc_root=d.proc_root,
                 sources=lambda: [(n, bool(a), a.reason) for n, a in self.availability.items()])
+        from kvtier.kernel.watch import PsutilScanner
+
+        self.watch = watch_mod.Watcher(watch_mod.parse_rules(cfg.watch), self.registry, PsutilScanner(d.proc_root))
+        self.watch_schedule = watch_mod.Schedule(self.watch, loop, d.watch_interval)
         lim = cfg.limits
         self.api = ControlAPI(self.registry, self.engine, self.stats, lim.max_message_bytes, VERSION)
         self.server = Server(
@@ -226,12 +231,14 @@ class Daemon:
         self.engine.policy_cfg = pcfg
         self.engine.residency_interval = new.daemon.residency_interval
         self.temperature.tau_s = new.hotness.tau_s
+        self.watch.rules = watch_mod.parse_rules(new.watch)
+        self.watch_schedule.interval = new.daemon.watch_interval
         self.migrator.dry_run = new.daemon.dry_run
         logs.setup(new.daemon.log_level)
         self.cfg = config.Config(
             {**new.values, **{k: self.cfg.get(k) for k in ("daemon.socket", "daemon.state_file",
                                                              "daemon.proc_root", "daemon.sys_root")}},
-            new.source,
+            new.source, new.repeated,
         )
         self.stats.config_reloads_total += 1
         log.info("configuration reloaded from %s", new.source)
@@ -261,6 +268,7 @@ class Daemon:
         # GC's generations so collections stay short (request tail latency).
         gc.freeze()
         await self.server.start()
+        self.watch_schedule.start()
         if self.metrics is not None:
             try:
                 self.metrics.start()
@@ -302,6 +310,7 @@ class Daemon:
         self.notifier.stopping()
         log.info("stopping")
         await self.server.close()
+        self.watch_schedule.close()
         # The running job finishes (a move_pages batch cannot be interrupted
         # safely anyway); its results are applied before the final state write.
         await asyncio.get_running_loop().run_in_executor(None, self.engine.wait_idle, 60.0)

@@ -89,6 +89,7 @@ class Region:
     owner_uid: int
     registered_at: float = field(default_factory=time.time)
     block_hints: int = 0
+    adopted_by: str = ""  # [[watch]] rule that adopted it (kvtier.watch); "" = a client registered it
 
     @property
     def end(self) -> int:
@@ -160,6 +161,7 @@ class Registry:
         owner_uid: int = 0,
         start_time: int | None = None,
         region_id: int | None = None,
+        adopted_by: str = "",
     ) -> Region:
         """Validate and add a region. ``start_time`` (re-adoption) must match
         the live process's; ``region_id`` keeps the id a client already holds."""
@@ -220,7 +222,7 @@ class Registry:
         reg = Region(
             id=region_id, pid=pid, start_time=live_start, start=start, length=length,
             block_size=block_size, nblocks=nblocks, name=name, tenant=tenant, tenant_id=tid,
-            priority=priority, constraints=tuple(constraints), owner_uid=owner_uid,
+            priority=priority, constraints=tuple(constraints), owner_uid=owner_uid, adopted_by=adopted_by,
         )
         self.regions[region_id] = reg
         self.by_pid.setdefault(pid, set()).add(region_id)
@@ -347,6 +349,8 @@ class Registry:
     def to_state(self) -> list[dict]:
         out = []
         for r in self.regions.values():
+            if r.adopted_by:
+                continue  # the watcher adopts it again after a restart
             d = {k: getattr(r, k) for k in self.STATE_KEYS}
             d["constraints"] = list(r.constraints)
             pinned = np.flatnonzero(self.table.region_view(r.id, "flags") & F_MANUAL_PIN)

@@ -260,3 +260,40 @@ def test_kvtierd_prints_the_sample_and_checks_nested_overrides(tmp_path):
     r = _kvtierd("-c", str(empty), "--check-config", "-s", "policy.capacity.1=half")
     assert r.returncode == 78
     assert r.stderr == "kvtierd: config error: policy.capacity.1: expected float, got str 'half'\n"
+
+
+# -- arrays of tables ([[watch]]) ---------------------------------------------
+
+
+def test_repeated_sections_are_lists_of_entries_with_defaults():
+    cfg = config.from_dict({"watch": [{"exe": "vllm", "min_rss": 1 << 30}, {"cmdline": "sglang", "uid": 1000}]})
+    assert [r.exe for r in cfg.watch] == ["vllm", ""]
+    assert cfg.watch[0].min_rss == 1 << 30 and cfg.watch[1].min_rss == 0
+    assert cfg.watch[1].block_size == 2 * config.MIB
+    assert config.from_dict({}).watch == []
+    assert cfg.to_dict()["watch"][1]["uid"] == 1000
+
+
+@pytest.mark.parametrize("doc, key", [
+    ({"watch": {"exe": "x"}}, "watch: expected an array of tables"),
+    ({"watch": [{"exe": "x", "bogus": 1}]}, "watch[0].bogus: unknown option"),
+    ({"watch": [{"exe": "x"}, {"uid": "root"}]}, "watch[1].uid: expected int"),
+    ({"watch": [{"exe": "x", "block_size": 16}]}, "watch[0].block_size: must be >= 4096"),
+    ({"watch": [{"min_rss": 5}]}, "watch[0]: needs at least one of exe, cmdline, cgroup, uid"),
+    ({"watch": [{"cmdline": "(x"}]}, "watch[0].cmdline: bad regular expression"),
+])
+def test_repeated_errors_name_the_entry(doc, key):
+    with pytest.raises(ConfigError) as ei:
+        config.from_dict(doc)
+    assert str(ei.value).startswith(key), str(ei.value)
+
+
+def test_sample_watch_rule_uncommented_is_the_defaults():
+    text = config.sample_toml()
+    block = text[text.index("# [[watch]]"):]
+    doc = tomllib.loads("\n".join(line[2:] for line in block.splitlines() if line.startswith("# [[")
+                                  or (" = " in line and not line.startswith("# ("))))
+    rows = config.REPEATED["watch"]
+    assert set(doc["watch"][0]) == {o.name for o in rows}
+    entry = dict(doc["watch"][0], exe="x")  # a rule needs one selector
+    assert vars(config.from_dict({"watch": [entry]}).watch[0]) == {o.name: o.default for o in rows} | {"exe": "x"}

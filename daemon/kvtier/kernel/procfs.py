@@ -20,6 +20,7 @@ PROC_STAT = "stat"
 PROC_STATUS = "status"
 PROC_PAGEMAP = "pagemap"
 PROC_CLEAR_REFS = "clear_refs"
+PROC_CGROUP = "cgroup"
 
 # /proc/PID/pagemap entry bits (Documentation/admin-guide/mm/pagemap.rst)
 PM_PFN_MASK = np.uint64((1 << 55) - 1)
@@ -151,6 +152,20 @@ def read_uids(pid: int, proc_root: str = "/proc") -> tuple[int, int]:
             f = line.split()
             return int(f[1]), int(f[2])
     raise ProcessGone(errno.ESRCH, f"read {_pid_path(proc_root, pid, PROC_STATUS)}", "no Uid line")
+
+
+def read_cgroup(pid: int, proc_root: str = "/proc") -> str:
+    """The process's cgroup path: the unified (v2, "0::") hierarchy's, or on
+    a v1-only system the memory controller's (what a memory daemon cares about)."""
+    v1_memory = None
+    for line in _read_text(proc_root, pid, PROC_CGROUP).splitlines():
+        hier, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hier == "0" and controllers == "":
+            return path
+        if "memory" in controllers.split(","):
+            v1_memory = path
+    return v1_memory or "/"
 
 
 def process_alive(pid: int, start_time: int | None = None, proc_root: str = "/proc") -> bool:
