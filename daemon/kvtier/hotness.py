@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 
-from .blocks import BlockTable
+from .blocks import F_PREFILL_DONE, BlockTable
 from .errors import ConfigError, InvalidArgument
 
 # Relative trust in each source (multiplies its counts).
@@ -99,3 +99,25 @@ class Temperature:
         if idx.size and (idx.min() < 0 or idx.max() >= s.count):
             raise InvalidArgument(f"hotness: block index out of range 0..{s.count - 1} for region {region_id}")
         self.add(table, idx + s.start, counts, now, weight)
+
+
+PHASES = ("prefill_done", "active", "free")
+
+
+def apply_phase(table: BlockTable, rows: np.ndarray, phase: str) -> None:
+    """A client's ``phase`` message for table rows (the registry and kvtier-sim run this).
+
+    ``prefill_done``: read-only from now on, a preferred demotion candidate;
+    ``active``: undo that; ``free``: the blocks hold no live data (a finished
+    request's blocks no later request has taken): temperature 0, first to go.
+    """
+    flags = table.flags
+    if phase == "prefill_done":
+        flags[rows] |= np.uint8(F_PREFILL_DONE)
+    elif phase == "active":
+        flags[rows] &= np.uint8(~F_PREFILL_DONE & 0xFF)
+    elif phase == "free":
+        flags[rows] |= np.uint8(F_PREFILL_DONE)
+        table.temp[rows] = 0.0
+    else:
+        raise InvalidArgument(f"unknown phase {phase!r}")

@@ -27,10 +27,9 @@ from kvtier.blocks import (
     F_KEEP_DRAM,
     F_MANUAL_PIN,
     F_NEVER_SWAP,
-    F_PREFILL_DONE,
     BlockTable,
 )
-from kvtier.hotness import SOURCE_WEIGHTS, Temperature
+from kvtier.hotness import SOURCE_WEIGHTS, Temperature, apply_phase
 from kvtier.errors import InvalidArgument, KvtierError, ProcessGone
 from kvtier.stats import DaemonStats
 
@@ -311,17 +310,7 @@ class Registry:
 
     def phase(self, region_id: int, phase: str, blocks: np.ndarray | None) -> int:
         rows = self.rows(region_id, blocks)
-        flags = self.table.flags
-        if phase == "prefill_done":
-            flags[rows] |= np.uint8(F_PREFILL_DONE)
-        elif phase == "active":
-            flags[rows] &= np.uint8(~F_PREFILL_DONE & 0xFF)
-        elif phase == "free":
-            # Freed blocks hold no live KV data: coldest possible, first to go.
-            flags[rows] |= np.uint8(F_PREFILL_DONE)
-            self.table.temp[rows] = 0.0
-        else:
-            raise InvalidArgument(f"unknown phase {phase!r}")
+        apply_phase(self.table, rows, phase)
         return int(rows.size)
 
     def pin(self, region_id: int, blocks: np.ndarray | None, tier: int | None) -> int:

@@ -4,6 +4,8 @@
     kvtier-sim run --preset chat                       # all policies, table on stdout
     kvtier-sim run --trace chat.npz --policy kvtier,lru --json
     kvtier-sim run --preset rag --config tiers.toml --plot out/
+    kvtier-sim run --trace conversation_trace.jsonl --model llama-3-70b --dram-frac 0.1
+    kvtier-sim run --preset chat --set policy.min_residence_s=2 --set hotness.tau_s=5
 
 See docs/simulator.md.
 """
@@ -18,61 +20,98 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import KvtierError
+
+from ..errors import ConfigError, KvtierError
+from ..hotness import DEFAULT_TAU_S
+from ..policy import PolicyConfig
 from .gen import PRESETS, generate
 from .model import GIB, SimConfig, load_config
+from .oracles import FeasibleOracle, belady_min
 from .policies import POLICIES
+from .requests import DEFAULT_DECODE_TPS, DEFAULT_MODEL, FORMATS, MODELS, RequestTrace
 from .runner import Result, capacity_cost, simulate
-from .trace import OP_ALLOC, OP_FREE, Trace, load
+from .trace import OP_ALLOC, OP_FREE, load
 
 DEFAULT_DRAM_FRAC = 0.3  # of the trace's peak live bytes: DRAM holds under a third
 DEFAULT_CXL_FRAC = 4.0  # CXL large enough for everything else
+REFERENCES = ("feasible-oracle", "belady-min")
+ALL = tuple(POLICIES) + REFERENCES
 
 
-def peak_live_bytes(tr: Trace) -> int:
+def peak_live_bytes(tr) -> int:
+    if isinstance(tr, RequestTrace):  # the KV pool holds the whole footprint
+        return tr.footprint_blocks * tr.block_bytes
     ops = np.where(tr.op == OP_ALLOC, 1, np.where(tr.op == OP_FREE, -1, 0))
     return int(np.cumsum(ops).max()) * tr.block_bytes if ops.size else tr.block_bytes
 
 
-def sized_config(tr: Trace, args) -> SimConfig:
+def sized_config(tr, args) -> SimConfig:
     cfg = load_config(args.config) if args.config else SimConfig()
     if args.tick:
         cfg = SimConfig(cfg.tiers, args.tick)
     if args.dram_gib is not None or args.cxl_gib is not None or not args.config:
         peak = peak_live_bytes(tr) / GIB
         dram = args.dram_gib if args.dram_gib is not None else peak * args.dram_frac
-        cxl = args.cxl_gib if args.cxl_gib is not None else peak * DEFAULT_CXL_FRAC
+        if args.cxl_gib is not None:
+            cxl = args.cxl_gib
+        elif isinstance(tr, RequestTrace):
+            # DRAM + CXL hold exactly the pool: the rest of the footprint, whole blocks
+            cxl = (tr.nblocks - int(dram * GIB // tr.block_bytes)) * tr.block_bytes / GIB
+        else:
+            cxl = peak * DEFAULT_CXL_FRAC
         cfg = cfg.with_capacities([dram, cxl])
     if args.swap:
         cfg = cfg.with_swap()
     return cfg
 
 
-def make_policy(name: str, tau: float | None):
+def kvtier_settings(items: list[str] | None) -> tuple[PolicyConfig, float]:
+    """The daemon's shipped [policy] and [hotness] settings, with ``--set``
+    overrides validated by the daemon's own option table (kvtier.config)."""
+    from .. import config
+    from ..daemon import policy_config
+
+    overrides = dict(config.parse_override(item) for item in items or [])
+    bad = [k for k in overrides if k.split(".")[0] not in ("policy", "hotness")]
+    if bad:
+        raise ConfigError(f"--set {bad[0]}: kvtier-sim takes policy.KEY=VALUE or hotness.KEY=VALUE")
+    cfg = config.load(None, overrides=overrides)
+    return policy_config(cfg, lambda name: int(name)), float(cfg.get("hotness.tau_s"))
+
+
+def make_policy(name: str, settings: tuple[PolicyConfig, float] | None = None):
     cls = POLICIES[name]
-    if name == "kvtier" and tau is not None:
-        return cls(tau_s=tau)
+    if name == "kvtier":
+        cfg, tau = settings or (PolicyConfig(), DEFAULT_TAU_S)
+        return cls(cfg, tau)
     return cls()
 
 
-def run_all(tr: Trace, cfg: SimConfig, names: list[str], tau: float | None = None) -> list[Result]:
-    results = [simulate(tr, cfg, make_policy(n, tau)) for n in names]
-    opt = next((r for r in results if r.policy == "belady"), None)
+def run_all(tr, cfg: SimConfig, names: list[str], settings=None) -> list[Result]:
+    results = []
+    for n in names:
+        if n == "belady-min":
+            results.append(belady_min(tr, cfg))
+        elif n == "feasible-oracle":
+            results.append(simulate(tr, cfg, FeasibleOracle()))
+        else:
+            results.append(simulate(tr, cfg, make_policy(n, settings)))
+    opt = next((r for r in results if r.policy == "feasible-oracle"), None)
     for r in results:
         if opt is not None and opt.fast_hit > 0:
-            r.extra["of_belady"] = r.fast_hit / opt.fast_hit
+            r.extra["of_oracle"] = r.fast_hit / opt.fast_hit
     return results
 
 
 def format_table(results: list[Result], cost: dict | None = None) -> str:
     tiers = results[0].tiers
     pairs = sorted({k for r in results for k in r.migrated_bytes})
-    head = ["policy"] + [f"hit {t}" for t in tiers] + ["of belady", "mean us", "p99 us", "penalty"]
+    head = ["policy"] + [f"hit {t}" for t in tiers] + ["of oracle", "mean us", "p99 us", "penalty"]
     head += [f"GiB {p}" for p in pairs] + ["wall s"]
     rows = []
     for r in results:
         row = [r.policy] + [f"{h:.4f}" for h in r.hit_ratio]
-        ob = r.extra.get("of_belady")
+        ob = r.extra.get("of_oracle")
         row += [f"{ob:.3f}" if ob is not None else "-", f"{r.mean_ns / 1e3:.1f}", f"{r.p99_ns / 1e3:.1f}"]
         row += [f"{100 * r.decode_penalty:.1f}%"] + [f"{r.migrated_bytes.get(p, 0) / GIB:.1f}" for p in pairs]
         row += [f"{r.wall_s:.1f}"]
@@ -148,18 +187,29 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-o", "--output", required=True, help=".npz or .csv")
     r = sub.add_parser("run", help="replay a trace through policies")
     workload = r.add_mutually_exclusive_group(required=True)
-    workload.add_argument("--trace", help=".npz or .csv trace file")
+    workload.add_argument("--trace", help=".npz or .csv block trace, or .jsonl request trace (Mooncake, Qwen-Bailian)")
     workload.add_argument("--preset", choices=sorted(PRESETS))
     r.add_argument("--accesses", type=int, help="with --preset: access records")
     r.add_argument("--seed", type=int)
-    r.add_argument("--policy", default="all", help=f"comma list of {','.join(POLICIES)} or 'all'")
+    q = r.add_argument_group("request traces (.jsonl)")
+    q.add_argument("--format", choices=FORMATS, default="auto")
+    q.add_argument("--model", default=DEFAULT_MODEL, help=f"KV bytes per token of one of {', '.join(MODELS)}")
+    q.add_argument("--kv-bytes-per-token", type=int, help="instead of --model")
+    q.add_argument("--block-tokens", type=int, help="tokens per hash id (default: 512 mooncake, 16 bailian)")
+    q.add_argument("--decode-tps", type=float, default=DEFAULT_DECODE_TPS, help="decode tokens/s per request")
+    q.add_argument("--pool-blocks", type=int, help="KV pool (prefix cache) in blocks (default: the footprint)")
+    q.add_argument("--requests", type=int, help="replay only the first N requests")
+    r.add_argument("--policy", default="all", help=f"comma list of {','.join(ALL)} or 'all'")
     r.add_argument("--config", help="TOML tier model (see docs/simulator.md)")
     r.add_argument("--dram-gib", type=float)
     r.add_argument("--cxl-gib", type=float)
-    r.add_argument("--dram-frac", type=float, default=DEFAULT_DRAM_FRAC, help="DRAM as a fraction of peak live bytes")
+    r.add_argument("--dram-frac", type=float, default=DEFAULT_DRAM_FRAC,
+                   help="DRAM as a fraction of peak live bytes (request traces: of the footprint)")
     r.add_argument("--swap", action="store_true", help="add an NVMe swap tier")
     r.add_argument("--tick", type=float, help="seconds per policy tick")
-    r.add_argument("--tau", type=float, help="kvtier temperature time constant, seconds")
+    r.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
+                   help="kvtier setting over the daemon's shipped default: policy.KEY (any PolicyConfig field) "
+                        "or hotness.tau_s; repeatable")
     r.add_argument("--json", action="store_true", help="JSON instead of a table")
     r.add_argument("--plot", help="directory for PNG plots")
     return ap
@@ -176,6 +226,25 @@ def _gen_overrides(args) -> dict:
     return kw
 
 
+def open_trace(args):
+    if args.preset:
+        return generate(args.preset, **_gen_overrides(args))
+    if Path(args.trace).suffix in (".jsonl", ".json"):
+        return RequestTrace(
+            args.trace, args.format, args.model, args.kv_bytes_per_token, args.block_tokens, args.decode_tps,
+            args.pool_blocks, args.requests,
+        )
+    return load(args.trace)
+
+
+def describe(tr) -> str:
+    if isinstance(tr, RequestTrace):
+        return (f"{tr.requests_n} requests ({tr.fmt}) over {tr.duration:.0f}s, model {tr.model} "
+                f"({tr.kv_bytes} B/token), {tr.block_tokens}-token blocks of {tr.block_bytes / (1 << 20):.0f} MiB, "
+                f"decode {tr.decode_tps:g} tokens/s, footprint {tr.footprint_blocks} blocks")
+    return f"{tr.accesses} accesses over {tr.duration:.0f}s"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -184,28 +253,30 @@ def main(argv: list[str] | None = None) -> int:
             tr.save(args.output)
             print(f"{args.output}: {len(tr)} records, {tr.accesses} accesses, {tr.duration:.0f}s, {tr.nblocks} blocks")
             return 0
-        tr = load(args.trace) if args.trace else generate(args.preset, **_gen_overrides(args))
-        label = Path(args.trace).stem if args.trace else args.preset
-        names = list(POLICIES) if args.policy == "all" else [p.strip() for p in args.policy.split(",")]
-        bad = [n for n in names if n not in POLICIES]
+        names = list(ALL) if args.policy == "all" else [p.strip() for p in args.policy.split(",")]
+        bad = [n for n in names if n not in ALL]
         if bad:
-            print(f"kvtier-sim: unknown policy {', '.join(bad)}", file=sys.stderr)
+            print(f"kvtier-sim: unknown policy {', '.join(bad)} (known: {', '.join(ALL)})", file=sys.stderr)
             return 2
+        settings = kvtier_settings(args.set)
+        tr = open_trace(args)
+        label = Path(args.trace).stem if args.trace else args.preset
         cfg = sized_config(tr, args)
-        results = run_all(tr, cfg, names, args.tau)
+        results = run_all(tr, cfg, names, settings)
         cost = capacity_cost(tr, cfg)
         if args.json:
             doc = {
                 "trace": label,
-                "accesses": tr.accesses,
+                "source": describe(tr),
                 "tiers": [asdict(t) for t in cfg.tiers],
+                "kvtier_settings": {"policy": asdict(settings[0]), "hotness": {"tau_s": settings[1]}},
                 "results": [{k: v for k, v in asdict(r).items() if k != "timeline"} for r in results],
                 "capacity_cost": cost,
             }
-            print(json.dumps(doc, indent=2))
+            print(json.dumps(doc, indent=2, default=str))
         else:
             gib = ", ".join(f"{t.name} {t.capacity_bytes / GIB:.1f} GiB" for t in cfg.tiers)
-            print(f"trace {label}: {tr.accesses} accesses over {tr.duration:.0f}s; {gib}")
+            print(f"trace {label}: {describe(tr)}; {gib}")
             print(format_table(results, cost))
         if args.plot:
             for p in plot(results, Path(args.plot), label):

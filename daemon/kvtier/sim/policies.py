@@ -5,13 +5,19 @@ called once per tick:
 
     place(rows)               tiers for newly allocated blocks (first touch by default)
     observe(rows, counts, times, now)   accesses of the tick just served
-    freed(rows)               blocks freed at the end of the tick
+    lifecycle(acquired, released, now)  what the serving engine's client reports
+                              with ``phase`` (request traces only): cached
+                              blocks taken by a request / no longer used by any
+    freed(rows)               blocks freed (at the end of the tick, or evicted at its start)
     decide(now) -> (rows, dst)          moves to make, in execution order
     moved(rows, dst, ok, now)           what the migrator managed
 
 ``kvtier`` runs the real ``kvtier.policy.plan`` on the real ``kvtier.hotness``
-temperatures; the others are models of the usual alternatives (see
-docs/simulator.md for how close each is to its original).
+temperatures, with the daemon's shipped settings, fed what a client sends the
+daemon (hints for reads, ``phase`` for lifecycle); the page-cache policies see
+only the reads. The others are models of the usual alternatives (see
+docs/simulator.md for how close each is to its original), and the two
+references of ``kvtier.sim.oracles``.
 """
 
 from __future__ import annotations
@@ -19,13 +25,13 @@ from __future__ import annotations
 import numpy as np
 
 from ..blocks import F_NOT_PRESENT, FIELDS, TIER_UNKNOWN, BlockTable
-from ..hotness import Temperature
-from ..policy import PolicyConfig, PolicyState, plan, record_results
+from ..hotness import DEFAULT_TAU_S, SOURCE_WEIGHTS, Temperature, apply_phase
+from ..policy import PolicyConfig, PolicyState, plan, record_results, refund
 
 
 class SimPolicy:
     name = "base"
-    unlimited = False  # exempt from the migrator's bandwidth (the offline bound only)
+    needs_future = False  # reads eng.future (the offline oracle only)
 
     def attach(self, eng) -> None:
         self.eng = eng
@@ -34,6 +40,9 @@ class SimPolicy:
         return self.eng.first_touch(rows)
 
     def observe(self, rows, counts, times, now) -> None:
+        pass
+
+    def lifecycle(self, acquired, released, now) -> None:
         pass
 
     def freed(self, rows) -> None:
@@ -229,13 +238,20 @@ class Damos(SimPolicy):
 
 
 class Kvtier(SimPolicy):
-    """The daemon's own policy: kvtier.hotness temperatures + kvtier.policy.plan."""
+    """The daemon's own policy: kvtier.hotness temperatures + kvtier.policy.plan,
+    with the daemon's shipped defaults unless ``cfg`` / ``tau_s`` are given.
+
+    It learns what the daemon learns from a client: every read as a hint
+    (``Temperature.add``, weight of the ``hint`` source) and, for request
+    traces, the lifecycle as ``phase`` messages (``hotness.apply_phase``,
+    the code the daemon's registry runs): ``active`` when a request takes a
+    cached block, ``free`` when no request uses it any more."""
 
     name = "kvtier"
 
-    def __init__(self, cfg: PolicyConfig | None = None, tau_s: float = 1.0):
-        self.cfg = cfg or sim_policy_config()
-        self.tau_s = tau_s
+    def __init__(self, cfg: PolicyConfig | None = None, tau_s: float | None = None):
+        self.cfg = cfg if cfg is not None else PolicyConfig()
+        self.tau_s = DEFAULT_TAU_S if tau_s is None else tau_s
 
     def attach(self, eng):
         super().attach(eng)
@@ -253,6 +269,7 @@ class Kvtier(SimPolicy):
         tb.tier[rows] = dst
         tb.flags[rows] = 0
         tb.temp[rows] = 0
+        tb.last_access[rows] = -np.inf
         tb.last_move[rows] = -np.inf
         tb.retry_at[rows] = -np.inf
         tb.fail_count[rows] = 0
@@ -260,13 +277,18 @@ class Kvtier(SimPolicy):
 
     def observe(self, rows, counts, times, now):
         self.temp.decay(self.table, now)
-        self.temp.add(self.table, rows, counts, now)
+        self.temp.add(self.table, rows, counts, now, SOURCE_WEIGHTS["hint"])
         self.table.tier[:] = self.eng.tier  # implicit moves (swap-in) are the engine's
+
+    def lifecycle(self, acquired, released, now):
+        apply_phase(self.table, acquired, "active")
+        apply_phase(self.table, released, "free")
 
     def freed(self, rows):
         self.table.tier[rows] = TIER_UNKNOWN
         self.table.flags[rows] = F_NOT_PRESENT
         self.table.temp[rows] = 0
+        self.table.last_access[rows] = -np.inf
 
     def decide(self, now):
         p, self.state = plan(self.view, self.tiers, self.cfg, self.state, now)
@@ -275,64 +297,17 @@ class Kvtier(SimPolicy):
 
     def moved(self, rows, dst, ok, now):
         # moves the migrator did not get to are neither successes nor failures:
-        # the next plan simply asks again
+        # the next plan simply asks again (and gets its tokens back, as the
+        # daemon's engine refunds moves that did not happen)
+        if len(self.last_plan) and not ok.all():
+            pos = np.full(self.eng.n, -1, np.int64)
+            pos[self.last_plan.rows] = np.arange(len(self.last_plan))
+            done = np.zeros(len(self.last_plan), bool)
+            p = pos[rows[ok]]
+            done[p[p >= 0]] = True
+            self.state = refund(self.state, self.last_plan, done, self.cfg)
         record_results(self.table, rows[ok], np.ones(int(ok.sum()), bool), np.zeros(int(ok.sum()), bool),
                        now, self.cfg, dst=dst[ok])
-
-
-def sim_policy_config(**kw) -> PolicyConfig:
-    """kvtier's policy settings for the simulator (the daemon's defaults, with
-    temperature thresholds in the trace's count units)."""
-    base = dict(
-        promote_temp=2.0, demote_temp=0.5, min_residence_s=2.0, high_wm=0.97, low_wm=0.92, margin_sigma=1.0
-    )
-    base.update(kw)
-    return PolicyConfig(**base)
-
-
-class Belady(SimPolicy):
-    """Offline optimum for the fast tier, the limit the others are measured against.
-
-    Within a tick every policy serves accesses from a fixed placement, and at
-    most C blocks alive in the tick sit in the fast tier; so no policy can hit
-    more than the C most-accessed blocks of each tick. This oracle reads the
-    next tick from the trace and puts exactly those there (migration is free
-    and unlimited for it), which reaches that bound: Belady's rule at tick
-    granularity, with the future known.
-    """
-
-    name = "belady"
-    unlimited = True
-
-    def attach(self, eng):
-        super().attach(eng)
-        self.chosen = np.zeros(eng.n, bool)
-        self.chosen[self._set_for(0)] = True  # tick 0's allocations are placed before any decide
-
-    def _set_for(self, tick: int):
-        rows, counts = self.eng.future_accesses(tick)
-        c = self.eng.cap_blocks[0]
-        if rows.size > c:
-            rows = rows[np.argpartition(-counts, c - 1)[:c]]
-        return rows
-
-    def place(self, rows):
-        dst = self.eng.first_touch(rows, skip_fast=True)
-        dst[self.chosen[rows]] = 0
-        return dst
-
-    def decide(self, now):
-        eng = self.eng
-        want = self._set_for(eng.k + 1)
-        self.chosen[:] = False
-        self.chosen[want] = True
-        up = want[eng.alive[want] & (eng.tier[want] > 0)]
-        reserved = int(np.count_nonzero(~eng.alive[want]))  # allocated next tick, placed by place()
-        res = np.flatnonzero(eng.tier == 0)
-        spare = res[~self.chosen[res]]
-        need = max(0, int(eng.occ[0]) + up.size + reserved - eng.cap_blocks[0])
-        down = spare[:need]
-        return np.concatenate([down, up]), np.concatenate([eng.demote_target(down), np.zeros(up.size, np.int8)])
 
 
 POLICIES = {
@@ -341,5 +316,4 @@ POLICIES = {
     "lfu": LFU,
     "kernel": KernelNumaBalancing,
     "damos": Damos,
-    "belady": Belady,
 }

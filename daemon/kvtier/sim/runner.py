@@ -25,7 +25,7 @@ import numpy as np
 from ..errors import InvalidArgument
 from .model import GIB, SimConfig
 from .policies import SimPolicy
-from .trace import OP_ACCESS, OP_ALLOC, OP_FREE, Trace
+from .trace import OP_ALLOC, OP_FREE, Tick, Trace
 
 
 @dataclass
@@ -53,24 +53,30 @@ class Result:
 
 
 class Engine:
-    def __init__(self, trace: Trace, cfg: SimConfig):
-        self.trace = trace
+    """Replays a tick source (``Trace`` or ``RequestTrace``: ``nblocks``,
+    ``block_bytes``, ``ticks(tick_s)``) through one policy. The ticks are
+    consumed as they are generated; only a policy that reads the future (the
+    oracles, ``needs_future``) makes the engine hold them all."""
+
+    def __init__(self, source, cfg: SimConfig):
+        self.source = source
         self.cfg = cfg
-        self.n = trace.nblocks
-        self.block_bytes = trace.block_bytes
+        self.n = int(source.nblocks)
+        self.block_bytes = int(source.block_bytes)
         self.tick_s = cfg.tick_s
         T = len(cfg.tiers)
-        self.cap_blocks = np.array([t.capacity_bytes // trace.block_bytes for t in cfg.tiers], dtype=np.int64)
+        self.cap_blocks = np.array([t.capacity_bytes // self.block_bytes for t in cfg.tiers], dtype=np.int64)
         self.tier = np.full(self.n, -1, dtype=np.int8)
         self.alive = np.zeros(self.n, dtype=bool)
         self.occ = np.zeros(T, dtype=np.int64)
         self.swap = np.array([t.kind == "swap" for t in cfg.tiers])
-        nt = int(np.ceil(trace.duration / self.tick_s)) + 1 if len(trace) else 0
-        self.edges = np.searchsorted(trace.t, np.arange(nt + 1) * self.tick_s, side="left")
-        self.edges[-1] = len(trace)
-        self.nticks = nt
+        self.future: list[Tick] | None = None  # all ticks, for oracles only
         self.k = 0
         self.overflow = 0
+        # one migrator: tick_s of time per tick, a move costs block / min(gbps of both)
+        self.mig_ns = np.array(
+            [[self.block_bytes / min(a.migrate_gbps, b.migrate_gbps) for b in cfg.tiers] for a in cfg.tiers]
+        )
 
     # -- helpers for policies -------------------------------------------------
 
@@ -110,73 +116,79 @@ class Engine:
             done[take] = True
         return dst.astype(np.int8)
 
-    def future_accesses(self, j: int):
-        """Aggregated (rows, counts) of tick ``j``: for the offline bound only."""
-        if j >= self.nticks:
-            return np.zeros(0, np.int64), np.zeros(0)
-        lo, hi = self.edges[j], self.edges[j + 1]
-        m = self.trace.op[lo:hi] == OP_ACCESS
-        rows, inv = np.unique(self.trace.block[lo:hi][m], return_inverse=True)
-        return rows, np.bincount(inv, weights=self.trace.count[lo:hi][m])
-
     # -- the loop -------------------------------------------------------------
 
     def run(self, policy: SimPolicy) -> Result:
-        cfg, tr = self.cfg, self.trace
+        cfg = self.cfg
         T = len(cfg.tiers)
+        ticks = self.source.ticks(self.tick_s)
+        if policy.needs_future:
+            self.future = list(ticks)
+            ticks = iter(self.future)
         policy.attach(self)
         served = np.zeros(T)
         moved = np.zeros((T, T), dtype=np.int64)
-        fast_t = np.zeros(self.nticks)
-        all_t = np.zeros(self.nticks)
-        mig_ns = np.array([[self.block_bytes / min(a.migrate_gbps, b.migrate_gbps) for b in cfg.tiers] for a in cfg.tiers])
+        fast_t: list[float] = []
+        all_t: list[float] = []
         mem = np.flatnonzero(~self.swap)
+        reads = 0
         t0 = time.perf_counter()
-        for k in range(self.nticks):
+        k = -1
+        for k, tk in enumerate(ticks):
             self.k = k
-            lo, hi = self.edges[k], self.edges[k + 1]
             now = (k + 1) * self.tick_s
-            op = tr.op[lo:hi]
-            blk = tr.block[lo:hi]
-            a = blk[op == OP_ALLOC]
+            if tk.evict.size:
+                self._free(policy, tk.evict, k)
+            a = tk.alloc
             if a.size:
                 if self.alive[a].any() or np.unique(a).size != a.size:
                     bad = int(a[self.alive[a]][0]) if self.alive[a].any() else int(a[0])
                     raise InvalidArgument(
-                        f"trace: block {bad} allocated while alive around t={tr.t[lo]:.3f}s "
+                        f"trace: block {bad} allocated while alive around t={k * self.tick_s:.3f}s "
                         f"(freed and reused within one {self.tick_s}s tick? use a smaller tick)"
                     )
                 dst = policy.place(a)
                 self.tier[a] = dst
                 self.alive[a] = True
                 self.occ += np.bincount(dst, minlength=T)
-            m = op == OP_ACCESS
-            rows = blk[m]
-            cnt = tr.count[lo:hi][m]
+            rows, cnt = tk.rows, tk.counts
+            f0 = tot = 0.0
             if rows.size:
                 tt = self.tier[rows]
                 if (tt < 0).any():
                     bad = int(rows[tt < 0][0])
-                    raise InvalidArgument(f"trace: block {bad} accessed while not allocated near t={tr.t[lo]:.3f}s")
+                    raise InvalidArgument(f"trace: block {bad} accessed while not allocated near t={k * self.tick_s:.3f}s")
                 per = np.bincount(tt, weights=cnt, minlength=T)
                 served += per
-                fast_t[k], all_t[k] = per[0], per.sum()
+                f0, tot = float(per[0]), float(per.sum())
+                reads += rows.size
                 if self.swap.any():
-                    self._swap_in(np.unique(rows[self.swap[tt]]), mem, moved)
-            policy.observe(rows, cnt, tr.t[lo:hi][m], now)  # also when empty: "nothing touched"
-            f = blk[op == OP_FREE]
-            if f.size:
-                policy.freed(f)
-                self.occ -= np.bincount(self.tier[f], minlength=T)
-                self.tier[f] = -1
-                self.alive[f] = False
+                    self._swap_in(rows[self.swap[tt]], mem, moved)
+            fast_t.append(f0)
+            all_t.append(tot)
+            policy.observe(rows, cnt, tk.last_t, now)  # also when empty: "nothing touched"
+            if tk.acquired.size or tk.released.size:
+                policy.lifecycle(tk.acquired, tk.released, now)
+            if tk.free.size:
+                self._free(policy, tk.free, k)
             rows, dst = policy.decide(now)
             if rows.size:
-                self._migrate(policy, np.asarray(rows, np.int64), np.asarray(dst, np.int8), mig_ns, moved, now)
+                self._migrate(policy, np.asarray(rows, np.int64), np.asarray(dst, np.int8), moved, now)
         wall = time.perf_counter() - t0
+        self.nticks = k + 1
+        self.records = reads
         res = self._result(policy, served, moved, wall)
-        res.timeline = (fast_t, all_t)
+        res.timeline = (np.asarray(fast_t), np.asarray(all_t))
         return res
+
+    def _free(self, policy, f: np.ndarray, k: int) -> None:
+        if not self.alive[f].all():
+            bad = int(f[~self.alive[f]][0])
+            raise InvalidArgument(f"trace: block {bad} freed while not allocated near t={k * self.tick_s:.3f}s")
+        policy.freed(f)
+        self.occ -= np.bincount(self.tier[f], minlength=self.occ.size)
+        self.tier[f] = -1
+        self.alive[f] = False
 
     def _swap_in(self, rows, mem, moved) -> None:
         for i in mem:
@@ -191,7 +203,8 @@ class Engine:
                 self.tier[take] = i
             rows = rows[take.size :]
 
-    def _migrate(self, policy, rows, dst, mig_ns, moved, now) -> None:
+    def _migrate(self, policy, rows, dst, moved, now) -> None:
+        mig_ns = self.mig_ns
         T = len(self.cap_blocks)
         _, first = np.unique(rows, return_index=True)
         keep = np.zeros(rows.size, bool)
@@ -200,21 +213,15 @@ class Engine:
         keep &= self.alive[rows] & (src >= 0) & (src != dst) & (dst >= 0) & (dst < T)
         r, s, d = rows[keep], src[keep].astype(np.int64), dst[keep].astype(np.int64)
         n = r.size
-        ok = np.ones(n, bool)
-        if not policy.unlimited:
-            # one migrator with tick_s of time, moves executed in plan order
-            ok &= np.cumsum(mig_ns[s, d]) <= self.tick_s * 1e9
+        # one migrator with tick_s of time, moves executed in plan order
+        ok = np.cumsum(mig_ns[s, d]) <= self.tick_s * 1e9
         # capacity along the sequence: the first move that overfills its
-        # destination stops the migrator (later ones may depend on it). The
-        # offline bound may exchange blocks between two full tiers: only its
-        # end state must fit.
+        # destination stops the migrator (later ones may depend on it)
         for t in range(T):
             occ = self.occ[t] + np.cumsum((d == t).astype(np.int64) - (s == t))
-            if policy.unlimited:
-                occ = np.where(np.arange(n) == n - 1, occ, 0) if n else occ
-            bad = np.flatnonzero((occ > self.cap_blocks[t]) & ((d == t) | policy.unlimited))
+            bad = np.flatnonzero((occ > self.cap_blocks[t]) & (d == t))
             if bad.size:
-                ok[(0 if policy.unlimited else bad[0]) :] = False
+                ok[bad[0] :] = False
         stop = n if ok.all() else int(np.argmin(ok))
         ok[stop:] = False
         r2, s2, d2 = r[ok], s[ok], d[ok]
@@ -249,13 +256,14 @@ class Engine:
             ticks=self.nticks,
             sim_s=self.nticks * self.tick_s,
             wall_s=wall,
-            accesses=self.trace.accesses,
+            accesses=self.records,
             overflow_blocks=self.overflow,
         )
 
 
-def simulate(trace: Trace, cfg: SimConfig, policy: SimPolicy) -> Result:
-    return Engine(trace, cfg).run(policy)
+def simulate(source, cfg: SimConfig, policy: SimPolicy) -> Result:
+    """Replay ``source`` (a ``Trace`` or a ``RequestTrace``) through ``policy``."""
+    return Engine(source, cfg).run(policy)
 
 
 def capacity_cost(trace: Trace, cfg: SimConfig) -> dict:

@@ -20,6 +20,11 @@ Files:
 Contract the simulator relies on: an id is allocated before it is accessed,
 freed at most once per allocation, and not reallocated within the same tick
 as its free (the generator reuses ids first-in first-out, so this holds).
+
+The engine does not read these arrays directly: it consumes ``Tick``s, one per
+simulator tick, from any source with ``nblocks``, ``block_bytes`` and
+``ticks(tick_s)`` (``Trace.ticks`` cuts the arrays; ``kvtier.sim.requests``
+generates ticks lazily from request traces such as Mooncake's).
 """
 
 from __future__ import annotations
@@ -35,6 +40,33 @@ from ..errors import InvalidArgument
 OP_ALLOC, OP_ACCESS, OP_FREE = 0, 1, 2
 OP_NAMES = ("alloc", "access", "free")
 CSV_MAGIC = "# kvtier-trace"
+
+
+def _none() -> np.ndarray:
+    return np.zeros(0, dtype=np.int64)
+
+
+@dataclass
+class Tick:
+    """What happens to the KV pool in one tick, in this order.
+
+    ``evict`` ids are dropped at the start (the engine's prefix cache making
+    room), ``alloc`` ids are placed, the reads (``rows`` unique, ``counts``
+    reads each, ``last_t`` time of the last one) are served from the placement
+    as it stands, and ``free`` ids are released at the end. ``acquired`` /
+    ``released`` are the lifecycle the serving engine knows and a kvtier client
+    reports with ``phase`` (``active``: a request took a reference on a cached
+    block; ``free``: no request references it any more). Flat traces have none.
+    """
+
+    alloc: np.ndarray
+    rows: np.ndarray
+    counts: np.ndarray
+    last_t: np.ndarray
+    free: np.ndarray
+    evict: np.ndarray = field(default_factory=_none)
+    acquired: np.ndarray = field(default_factory=_none)
+    released: np.ndarray = field(default_factory=_none)
 
 
 @dataclass
@@ -73,6 +105,22 @@ class Trace:
     @property
     def duration(self) -> float:
         return float(self.t[-1]) if self.t.size else 0.0
+
+    def ticks(self, tick_s: float):
+        """The records cut into ticks of ``tick_s``; reads of one block aggregated."""
+        nt = int(np.ceil(self.duration / tick_s)) + 1 if len(self) else 0
+        edges = np.searchsorted(self.t, np.arange(nt + 1) * tick_s, side="left")
+        if nt:
+            edges[-1] = len(self)
+        for k in range(nt):
+            lo, hi = edges[k], edges[k + 1]
+            op, blk = self.op[lo:hi], self.block[lo:hi]
+            m = op == OP_ACCESS
+            rows, inv = np.unique(blk[m], return_inverse=True)
+            counts = np.bincount(inv, weights=self.count[lo:hi][m], minlength=rows.size)
+            last = np.full(rows.size, -np.inf)
+            np.maximum.at(last, inv, self.t[lo:hi][m])
+            yield Tick(blk[op == OP_ALLOC], rows, counts, last, blk[op == OP_FREE])
 
     def save(self, path: str | Path) -> None:
         path = Path(path)

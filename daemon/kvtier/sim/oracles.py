@@ -1,0 +1,247 @@
+"""The two references every policy is measured against; both know the future.
+
+``feasible-oracle`` (``FeasibleOracle``): a placement policy run by the same
+engine, under the same rules as every other policy: the same first-touch
+placement of new blocks, the same DRAM capacity, and the same migrator with
+its per-tick time budget. What it has that no online policy has is the
+future: before each tick it knows when every block will be read next (and
+how much), and which blocks the next tick allocates. It keeps DRAM for the
+blocks read soonest (farthest next use is evicted first, Belady's rule),
+first making room for the next tick's allocations, then exchanging a CXL
+block for a DRAM one only where the CXL block is read sooner. It is a real
+target: a policy that approaches it cannot be doing much better with the
+same machine. It is not proven optimal under a bandwidth limit (a budgeted
+placement problem has no known greedy optimum), so an online policy could in
+principle beat it by a hair; the tests and the benchmark report it as a
+reference, not a theorem.
+
+``belady-min`` (``belady_min``): Belady's MIN over the read sequence, the
+miss floor of a demand-fetched cache of DRAM's size. Migration is free and
+unlimited; a block not in the cache is fetched when read (one miss, the rest
+of its reads in the tick hit) and evicts the cached block read farthest in
+the future (or is not kept, if it is that block). A new block is written into
+the cache when allocated (no miss); whether it stays is decided, like any
+other block, by when it is read next. Reads within a tick are taken as consecutive per block, the
+order kindest to a cache, so this ceiling errs high. It counts what no
+placement with DRAM's capacity can avoid: compulsory misses and capacity
+misses.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+
+import numpy as np
+
+from .policies import SimPolicy
+
+NEVER = np.inf
+
+
+def next_uses(ticks) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    """For every tick: the next-read tick (and that tick's read count) after
+    each of its reads, and after each of its allocations. A freed or evicted
+    id starts a new block, so its later reads do not count."""
+    ticks = list(ticks)
+    nblk = 1 + max((int(max(t.rows.max(initial=-1), t.alloc.max(initial=-1))) for t in ticks), default=0)
+    seen = np.full(nblk, NEVER)
+    seen_c = np.zeros(nblk)
+    nu_r, nc_r, nu_a, nc_a = [None] * len(ticks), [None] * len(ticks), [None] * len(ticks), [None] * len(ticks)
+    for k in range(len(ticks) - 1, -1, -1):
+        tk = ticks[k]
+        seen[tk.free] = NEVER
+        seen_c[tk.free] = 0
+        nu_r[k], nc_r[k] = seen[tk.rows], seen_c[tk.rows]
+        seen[tk.rows] = k
+        seen_c[tk.rows] = tk.counts
+        nu_a[k], nc_a[k] = seen[tk.alloc], seen_c[tk.alloc]
+        seen[tk.evict] = NEVER
+        seen_c[tk.evict] = 0
+    return nu_r, nc_r, nu_a, nc_a
+
+
+def _key(nu: np.ndarray, nc: np.ndarray) -> np.ndarray:
+    """Sooner next read first; within a tick, more reads first."""
+    return nu - 0.99 * nc / (1.0 + nc)
+
+
+class FeasibleOracle(SimPolicy):
+    name = "feasible-oracle"
+    needs_future = True
+
+    def attach(self, eng):
+        super().attach(eng)
+        self.nu_r, self.nc_r, self.nu_a, self.nc_a = next_uses(eng.future)
+        self.key = np.full(eng.n, NEVER)
+
+    def place(self, rows):
+        self.key[rows] = _key(self.nu_a[self.eng.k], self.nc_a[self.eng.k])
+        return self.eng.first_touch(rows)
+
+    def observe(self, rows, counts, times, now):
+        if rows.size:
+            k = self.eng.k
+            self.key[rows] = _key(self.nu_r[k], self.nc_r[k])
+
+    def freed(self, rows):
+        self.key[rows] = NEVER
+
+    def decide(self, now):
+        eng = self.eng
+        k = eng.k
+        nxt = eng.future[k + 1] if k + 1 < len(eng.future) else None
+        empty = np.zeros(0, np.int64), np.zeros(0, np.int8)
+        c = int(eng.cap_blocks[0])
+        occ0 = int(eng.occ[0])
+        # the next tick's evictions free DRAM before its allocations land there
+        if nxt is not None:
+            gone = nxt.evict[eng.tier[nxt.evict] == 0] if nxt.evict.size else nxt.evict
+            alloc_n = int(nxt.alloc.size)
+            alloc_key = float(_key(self.nu_a[k + 1], self.nc_a[k + 1]).max()) if alloc_n else NEVER
+        else:
+            gone, alloc_n, alloc_key = np.zeros(0, np.int64), 0, NEVER
+        spare = c - occ0 + int(gone.size) - alloc_n
+        budget = int(eng.tick_s * 1e9 // float(eng.mig_ns[eng.mig_ns > 0].min())) + 1
+        key = self.key
+        res = np.flatnonzero(eng.tier == 0)
+        if gone.size:
+            res = np.setdiff1d(res, gone, assume_unique=True)
+        slow = np.flatnonzero(eng.alive & (eng.tier > 0))
+        cand = slow[key[slow] < NEVER]
+        cand = _best(cand, key[cand], budget, ascending=True)
+        victims = _best(res, key[res], budget + max(0, -spare), ascending=False)
+        vk = key[victims]
+        # 1. room for the next tick's allocations: evict what is read later than they are
+        vi = 0
+        if spare < 0:
+            vi = int(min(-spare, np.count_nonzero(vk > alloc_key)))
+            spare += vi
+        down = [victims[:vi]]
+        # 2. promote into free room, then exchange while the candidate is read sooner
+        f = min(max(spare, 0), cand.size)
+        up = [cand[:f]]
+        rest, vrest = cand[f:], victims[vi:]
+        m = min(rest.size, vrest.size)
+        better = key[rest[:m]] < key[vrest[:m]]
+        npair = m if better.all() else int(np.argmin(better))
+        pairs_dn, pairs_up = vrest[:npair], rest[:npair]
+        rows = np.concatenate(down + up + [np.column_stack([pairs_dn, pairs_up]).ravel()])
+        if rows.size == 0:
+            return empty
+        dst = np.zeros(rows.size, np.int8)
+        is_down = np.concatenate([
+            np.ones(vi, bool), np.zeros(f, bool), np.tile(np.array([True, False]), npair)
+        ])
+        dst[is_down] = eng.demote_target(rows[is_down])
+        return rows, dst
+
+
+def _best(idx: np.ndarray, key: np.ndarray, k: int, ascending: bool) -> np.ndarray:
+    if idx.size == 0:
+        return idx
+    kk = key if ascending else -key
+    if k < idx.size:
+        part = np.argpartition(kk, k)[:k]
+        idx, kk = idx[part], kk[part]
+    return idx[np.argsort(kk, kind="stable")]
+
+
+def belady_min(source, cfg, capacity_blocks: int | None = None):
+    """Belady's MIN over the read sequence of ``source``; returns a ``Result``."""
+    from .runner import Engine
+
+    eng = Engine(source, cfg)
+    ticks = list(source.ticks(cfg.tick_s))
+    nu_r, nc_r, nu_a, _ = next_uses(ticks)
+    c = int(eng.cap_blocks[0] if capacity_blocks is None else capacity_blocks)
+    t0 = time.perf_counter()
+    n = max(eng.n, 1)
+    cached = np.zeros(n, bool)
+    key = np.full(n, NEVER)
+    heap: list[tuple[float, int]] = []  # (-next use, id), stale entries skipped
+    size = 0
+    hits = misses = 0.0
+    fast_t = np.zeros(len(ticks))
+    all_t = np.zeros(len(ticks))
+
+    def farthest() -> int:
+        while True:
+            nk, i = heap[0]
+            if cached[i] and key[i] == -nk:
+                return i
+            heapq.heappop(heap)
+
+    def admit(i: int, nk: float) -> None:
+        """Keep ``i`` (next read ``nk``) if it is read sooner than the farthest cached block."""
+        nonlocal size
+        if nk == NEVER or c <= 0:
+            return
+        if size >= c:
+            j = farthest()
+            if key[j] <= nk:
+                return
+            heapq.heappop(heap)
+            cached[j] = False
+            size -= 1
+        cached[i] = True
+        key[i] = nk
+        size += 1
+        heapq.heappush(heap, (-nk, i))
+
+    for k, tk in enumerate(ticks):
+        for i in tk.evict.tolist():
+            if cached[i]:
+                cached[i] = False
+                size -= 1
+        fresh = set()
+        for i, nk in zip(tk.alloc.tolist(), nu_a[k].tolist()):
+            if nk == k:
+                fresh.add(i)  # written and read in this tick: decide after the reads
+            else:
+                admit(i, nk)
+        h0 = hits
+        for i, cnt, nk in zip(tk.rows.tolist(), tk.counts.tolist(), nu_r[k].tolist()):
+            if i in fresh:
+                hits += cnt
+                admit(i, nk)
+            elif cached[i]:
+                hits += cnt
+                if nk == NEVER:
+                    cached[i] = False
+                    size -= 1
+                else:
+                    key[i] = nk
+                    heapq.heappush(heap, (-nk, i))
+            else:
+                misses += 1.0
+                hits += cnt - 1.0
+                admit(i, nk)
+        for i in tk.free.tolist():
+            if cached[i]:
+                cached[i] = False
+                size -= 1
+        fast_t[k] = hits - h0
+        all_t[k] = float(tk.counts.sum())
+    wall = time.perf_counter() - t0
+    return _min_result(eng, cfg, hits, misses, len(ticks), wall, (fast_t, all_t), sum(t.rows.size for t in ticks))
+
+
+def _min_result(eng, cfg, hits, misses, nticks, wall, timeline, records):
+    from .runner import Result
+
+    names = [t.name for t in cfg.tiers]
+    served = [hits, misses] + [0.0] * (len(names) - 2)
+    total = hits + misses or 1.0
+    ns = np.array([t.access_ns(eng.block_bytes) for t in cfg.tiers])
+    mean = float((np.array(served[: len(ns)]) * ns).sum() / total)
+    p99 = float(ns[0] if misses / total <= 0.01 else ns[1])
+    r = Result(
+        policy="belady-min", tiers=names, served=served[: len(names)], hit_ratio=[x / total for x in served[: len(names)]],
+        migrated_bytes={f"{names[1]}->{names[0]}": int(misses) * eng.block_bytes} if len(names) > 1 else {},
+        mean_ns=mean, p99_ns=p99, decode_penalty=mean / ns[0] - 1.0, ticks=nticks, sim_s=nticks * eng.tick_s,
+        wall_s=wall, accesses=records, overflow_blocks=0,
+        extra={"note": "demand fetch, free and unlimited migration: fetches are the misses"},
+    )
+    r.timeline = timeline
+    return r
