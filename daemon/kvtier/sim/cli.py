@@ -20,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 
-
 from ..errors import ConfigError, KvtierError
 from ..hotness import DEFAULT_TAU_S
 from ..policy import PolicyConfig
