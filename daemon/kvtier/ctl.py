@@ -4,6 +4,7 @@
     kvtierctl migrate REGION TIER [--blocks 0-15,40] [--pin]
     kvtierctl pin REGION [--tier T] [--blocks ...] | unpin REGION [--blocks ...]
     kvtierctl explain REGION BLOCK
+    kvtierctl ages                (bytes by time since last access, per tier and tenant)
     kvtierctl topology            (no daemon needed: reads sysfs/procfs itself)
     kvtierctl top                 (live view)
 
@@ -189,6 +190,22 @@ def cmd_explain(c: Client, a) -> tuple[Any, str]:
     return r, r["text"]
 
 
+def cmd_ages(c: Client, a) -> tuple[Any, str]:
+    """Bytes by time since last access, one row per (tier, tenant): how much
+    of each tier is hot, lukewarm or forgotten (size DRAM by the first columns)."""
+    r = c.request("ages")
+    names = r["tier_names"]
+    rows = []
+    totals = [0] * len(r["buckets"])
+    for x in r["rows"]:
+        rows.append((tier_label(names, x["tier"]), x["tenant"] or "-", *(human(b) for b in x["bytes"]),
+                     human(sum(x["bytes"]))))
+        totals = [t + b for t, b in zip(totals, x["bytes"])]
+    rows.append(("all", "", *(human(b) for b in totals), human(sum(totals))))
+    return r, table(("TIER", "TENANT", *r["buckets"], "TOTAL"), rows) + \
+        "\ncolumns: bytes by time since the block was last seen accessed (never seen: >10m)"
+
+
 def cmd_topology(a) -> tuple[Any, str]:
     from kvtier.kernel import topology
 
@@ -199,6 +216,7 @@ def cmd_topology(a) -> tuple[Any, str]:
 COMMANDS = {
     "status": cmd_status, "stats": cmd_stats, "tiers": cmd_tiers, "regions": cmd_regions,
     "blocks": cmd_blocks, "migrate": cmd_migrate, "pin": cmd_pin, "unpin": cmd_unpin, "explain": cmd_explain,
+    "ages": cmd_ages,
 }
 
 
@@ -240,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("unpin", parents=[common], help="hand blocks back to the policy")
     p.add_argument("region", type=int)
     p.add_argument("--blocks")
+    sub.add_parser("ages", parents=[common], help="bytes by time since last access, per tier and tenant")
     p = sub.add_parser("explain", parents=[common], help="why a block is where it is")
     p.add_argument("region", type=int)
     p.add_argument("block", type=int)

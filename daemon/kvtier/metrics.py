@@ -41,6 +41,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.exposition import start_http_server
 
+from kvtier import ages
 from kvtier.blocks import F_MANUAL_PIN, F_UNMOVABLE, TIER_MIXED, TIER_UNKNOWN
 from kvtier.stats import MIGRATION_BUCKETS, TICK_BUCKETS, Histogram, le_label
 
@@ -92,6 +93,8 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
                                    "Block accesses named in client hints, by the tier the block was in when hinted."),
     "kvtier_tier_hit_ratio": ("gauge", ("tier",),
                               "Fraction of hinted block accesses that found the block in the tier, since start."),
+    "kvtier_access_age_bytes": ("gauge", ("tier", "tenant", "age"),
+                                "Bytes of KV blocks by time since their last access (<1s ... >10m; never seen: >10m)."),
     "kvtier_block_temperature": ("gaugehistogram", (), "Blocks by current temperature (decayed access count)."),
     "kvtier_blocks_unmovable": ("gauge", (), "Blocks marked unmovable (pinned pages, repeated failures)."),
     "kvtier_blocks_pinned": ("gauge", (), "Blocks pinned to a tier by an operator."),
@@ -179,7 +182,7 @@ class Collector:
         """One consistent-length copy of the columns a scrape needs."""
         t = self.table
         cols = {name: np.array(getattr(t, name), copy=True)
-                for name in ("region", "tier", "nbytes", "temp", "tenant", "flags")}
+                for name in ("region", "tier", "nbytes", "temp", "tenant", "flags", "last_access")}
         n = min(len(c) for c in cols.values())
         return {k: v[:n] for k, v in cols.items()}
 
@@ -197,6 +200,7 @@ class Collector:
         yield from self._tier_metrics(tiers, names, cols)
         yield from self._owner_metrics(names, cols)
         yield from self._hotness_metrics(names, cols)
+        yield from self._age_metrics(names, cols)
         yield from self._migration_metrics(names)
         yield from self._tick_metrics()
         yield from self._registry_metrics()
@@ -248,6 +252,17 @@ class Collector:
                 continue
             region.add_metric([str(rid), r.name, r.tenant, _tier_name(names, t)], nb)
         yield region
+
+    def _age_metrics(self, names, cols) -> Iterator[Metric]:
+        reg = self.registry
+        tenant_names = {tid: name for name, tid in getattr(reg, "tenants", {}).items()}
+        now = reg.clock()
+        fam = _gauge("kvtier_access_age_bytes")
+        for (t, tid), per in sorted(ages.age_bytes(cols["tier"], cols["tenant"], cols["nbytes"],
+                                                   cols["last_access"], now).items()):
+            for label, b in zip(ages.AGE_LABELS, per):
+                fam.add_metric([_tier_name(names, t), tenant_names.get(tid, str(tid)), label], b)
+        yield fam
 
     def _hotness_metrics(self, names, cols) -> Iterator[Metric]:
         temp = cols["temp"].astype(np.float64)

@@ -159,9 +159,13 @@ class Explain(Request, tag="explain"):
     block: BlockIndex
 
 
+class Ages(Request, tag="ages"):
+    pass
+
+
 AnyRequest = Union[
     Hello, Register, Unregister, Hint, Phase, Query, Stats, Status, Tiers, Regions,
-    Blocks, Migrate, Pin, Unpin, Explain,
+    Blocks, Migrate, Pin, Unpin, Explain, Ages,
 ]
 REQUEST_TYPES: tuple[type[Request], ...] = AnyRequest.__args__  # type: ignore[attr-defined]
 OPS = {t.__struct_config__.tag: t for t in REQUEST_TYPES}

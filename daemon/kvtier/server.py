@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvtier import logs, protocol as P
+from kvtier import ages, logs, protocol as P
 
 from kvtier.kernel import native, procfs
 from kvtier.errors import KvtierError, KvtierOSError, PermissionDenied, ProcessGone, os_error
@@ -337,6 +337,24 @@ class ControlAPI:
             d["temp_sum"] = float(table.region_view(r.id, "temp").sum())
             out.append(d)
         return {"regions": out}
+
+    def op_ages(self, peer: Peer, req: P.Ages) -> dict:
+        """Bytes by time since last access, per tier and tenant, over the
+        regions the caller may see (all for privileged callers)."""
+        table, reg = self.registry.table, self.registry
+        cols = [table.tier, table.tenant, table.nbytes, table.last_access]
+        if not peer.privileged:
+            visible = np.zeros(len(table), dtype=bool)
+            for r in reg.regions.values():
+                if r.owner_uid == peer.uid:
+                    s = table.slices[r.id]
+                    visible[s.start:s.stop] = True
+            cols = [c[visible] for c in cols]
+        names = {tid: name for name, tid in reg.tenants.items()}
+        rows = [{"tier": t, "tenant": names.get(tn, str(tn)), "bytes": b}
+                for (t, tn), b in sorted(ages.age_bytes(*cols, reg.clock()).items())]
+        return {"buckets": list(ages.AGE_LABELS), "edges_s": list(ages.AGE_EDGES), "rows": rows,
+                "tier_names": self.engine.tier_names()}
 
     def op_blocks(self, peer: Peer, req: P.Blocks) -> dict:
         reg = self._own(peer, req.region)

@@ -515,7 +515,12 @@ def test_kvtierctl_against_the_daemon(daemon):
         rid = str(r["region"])
         regs = json.loads(ctl(daemon, "--json", "regions").stdout)["regions"]
         assert [(x["id"], x["name"], x["blocks_by_tier"]) for x in regs] == [(r["region"], "kv-ctl", {"0": 4})]
-        assert "kv-ctl" in ctl(daemon, "regions").stdout
+        assert "kv-ctl" in ctl(daemon, "regions").stdout and "client" in ctl(daemon, "regions").stdout
+        # Blocks 2 and 3 were just hinted (1 MiB each), 0 and 1 never: ">10m".
+        (age_row,) = json.loads(ctl(daemon, "--json", "ages").stdout)["rows"]
+        assert (age_row["tier"], age_row["tenant"]) == (0, "t1")
+        assert sum(age_row["bytes"][:3]) == 2 << 20 and age_row["bytes"][-1] == 2 << 20, age_row
+        assert "t1" in ctl(daemon, "ages").stdout and ">10m" in ctl(daemon, "ages").stdout
         b = json.loads(ctl(daemon, "blocks", rid, "--json").stdout)  # --json after the command works too
         assert b["tiers"] == [0, 0, 0, 0] and b["temps"][2] > b["temps"][3] > 0 == b["temps"][0]
         assert b["last_access_age"][0] is None  # never accessed: null, not Infinity

@@ -254,3 +254,29 @@ def test_dashboard_queries_only_documented_metrics():
     for p in dash["panels"]:
         g = p["gridPos"]
         assert 0 <= g["x"] and g["x"] + g["w"] <= 24, p["title"]
+
+
+def test_access_ages_by_tier_and_tenant(daemon_state):
+    """kvtier_access_age_bytes: hints set last_access on the registry clock;
+    the scrape buckets now - last_access (never seen: >10m)."""
+    stats, reg, topo, (r0, r1) = daemon_state
+    t = reg.table
+    t.tier[:] = 0
+    t.tier[t.slices[r1.id].start:] = 1  # bob's blocks in swap
+    clock = reg.clock
+    reg.hint(r0.id, np.array([0], dtype=np.uint32), None)  # read at 1000
+    clock.t += 3.0
+    reg.hint(r0.id, np.array([1], dtype=np.uint32), None)  # read at 1003
+    reg.hint(r1.id, np.array([0], dtype=np.uint32), None)
+    clock.t += 1.0  # now 1004: ages 4 s, 1 s (an age on an edge is the older bucket)
+    v = collect(stats, reg, topo).get_sample_value
+    age = lambda tier, tenant, bucket: v("kvtier_access_age_bytes", {"tier": tier, "tenant": tenant,  # noqa: E731
+                                                                     "age": bucket})
+    assert age("dram", "alice", "1-5s") == 4 * MIB  # block 0 (4 s) and block 1 (1 s)
+    assert age("dram", "alice", "<1s") == 0
+    assert age("dram", "alice", ">10m") == 4 * MIB  # never read
+    assert age("swap", "bob", "1-5s") == 2 * MIB
+    assert age("swap", "bob", ">10m") == 2 * MIB
+    clock.t += 200.0
+    v = collect(stats, reg, topo).get_sample_value
+    assert v("kvtier_access_age_bytes", {"tier": "dram", "tenant": "alice", "age": "2-10m"}) == 4 * MIB
