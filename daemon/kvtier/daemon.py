@@ -38,6 +38,7 @@ from kvtier.blocks import BlockTable
 from kvtier.engine import Engine
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.kernel.migrator import Migrator
+from kvtier.kernel.watch import PsutilScanner
 from kvtier.kernel.procmap import ProcProcesses
 from kvtier.registry import Limits, Registry
 from kvtier.sdnotify import Notifier
@@ -96,44 +97,26 @@ class Daemon:
     # -- composition -----------------------------------------------------
 
     def build(self, loop: asyncio.AbstractEventLoop) -> None:
-        cfg = self.cfg
-        d = cfg.daemon
+        """Wiring only: each collaborator is complete when constructed (the
+        config was validated by config.load; announce() logs what was found)."""
+        cfg, d, lim = self.cfg, self.cfg.daemon, self.cfg.limits
         self.table = BlockTable()
         self.temperature = hotness.Temperature(cfg.hotness.tau_s)
         self.watcher = PidfdWatcher(loop)
         self.registry = Registry(self.table, limits_of(cfg), self.stats, self.temperature,
                                  ProcProcesses(d.proc_root), self.watcher, on_change=self._state_dirty)
         self.topology = topo_mod.discover(d.sys_root, d.proc_root, topology_overrides(cfg))
-        for t in self.topology.tiers:
-            logs.event(log, "tier_discovered", tier=t.name, index=t.index, kind=t.kind,
-                       nodes=",".join(map(str, t.nodes)) or "-", total_bytes=t.total, order=t.order_source)
-        for w in self.topology.warnings:
-            logs.event(log, "topology_warning", logging.WARNING, warning=w)
         self.migrator = Migrator(proc_root=d.proc_root, dry_run=d.dry_run)
         self.sources = sources_mod.build(source_tables(cfg), d.sys_root, d.proc_root, dry_run=d.dry_run)
         self.availability = sources_mod.probe_all(self.sources)
-        for name, a in self.availability.items():
-            if a:
-                logs.event(log, "source_active", source=name, detail=a.reason)
-            else:
-                logs.event(log, "source_unavailable", logging.WARNING, source=name, reason=a.reason)
         self.engine = Engine(
             self.table, self.registry, self.topology, self.migrator, self.temperature,
-            policy_config(cfg, self.registry.tenant_id), self.stats,
+            policy_config(cfg, self.registry.tenant_id), self.stats, loop,
             residency_interval=d.residency_interval, sources=self.sources, availability=self.availability,
         )
-        self.engine.loop = loop
-        mcfg = metrics_mod.MetricsConfig(**cfg.table("metrics"))
-        self.metrics = None
-        if mcfg.enabled:
-            self.metrics = metrics_mod.MetricsExporter.from_config(
-                mcfg, self.stats, self.registry, self.table, lambda: self.engine.topology, proc_root=d.proc_root,
-                sources=lambda: [(n, bool(a), a.reason) for n, a in self.availability.items()])
-        from kvtier.kernel.watch import PsutilScanner
-
+        self.metrics = self._exporter(metrics_mod.MetricsConfig(**cfg.table("metrics")))
         self.watch = watch_mod.Watcher(watch_mod.parse_rules(cfg.watch), self.registry, PsutilScanner(d.proc_root))
         self.watch_schedule = watch_mod.Schedule(self.watch, loop, d.watch_interval)
-        lim = cfg.limits
         self.api = ControlAPI(self.registry, self.engine, self.stats, lim.max_message_bytes, VERSION)
         self.server = Server(
             self.api, self.stats, path=d.socket, mode=d.socket_mode, group=d.socket_group,
@@ -142,6 +125,28 @@ class Daemon:
             max_connections=lim.max_connections, max_connections_per_uid=lim.max_connections_per_uid,
             inherited_fds=self.inherited_fds, proc_root=d.proc_root,
         )
+
+    def _exporter(self, mcfg: metrics_mod.MetricsConfig) -> metrics_mod.MetricsExporter | None:
+        if not mcfg.enabled:
+            return None
+        return metrics_mod.MetricsExporter.from_config(
+            mcfg, self.stats, self.registry, self.table, lambda: self.engine.topology,
+            proc_root=self.cfg.daemon.proc_root,
+            sources=lambda: [(n, bool(a), a.reason) for n, a in self.availability.items()])
+
+    def announce(self) -> None:
+        """The structured events an operator reads at start: every tier found,
+        every topology warning, and which hotness source runs or why not."""
+        for t in self.topology.tiers:
+            logs.event(log, "tier_discovered", tier=t.name, index=t.index, kind=t.kind,
+                       nodes=",".join(map(str, t.nodes)) or "-", total_bytes=t.total, order=t.order_source)
+        for w in self.topology.warnings:
+            logs.event(log, "topology_warning", logging.WARNING, warning=w)
+        for name, a in self.availability.items():
+            if a:
+                logs.event(log, "source_active", source=name, detail=a.reason)
+            else:
+                logs.event(log, "source_unavailable", logging.WARNING, source=name, reason=a.reason)
 
     # -- state file ------------------------------------------------------
 
@@ -263,6 +268,7 @@ class Daemon:
             loop.add_signal_handler(sig, self.stop_event.set)
         loop.add_signal_handler(signal.SIGHUP, self.reload_event.set)
         self.build(loop)
+        self.announce()
         self.adopt()
         # Everything built so far lives until exit: keep it out of the cyclic
         # GC's generations so collections stay short (request tail latency).

@@ -24,7 +24,7 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -33,6 +33,7 @@ from kvtier import policy as pol
 from kvtier.blocks import FIELDS, F_KEEP_DRAM, F_NEVER_SWAP, F_NOT_PRESENT, TIER_UNKNOWN, BlockTable
 from kvtier.errors import InvalidArgument, KvtierError
 from kvtier.hotness import Temperature
+from kvtier.ports import AvailabilityView, HotnessSource, MigratorPort, ObservationView, TopologyView
 from kvtier.registry import Registry
 from kvtier.stats import DaemonStats
 
@@ -52,7 +53,7 @@ class Job:
     move: np.ndarray  # bool: this block is in the plan
     src: np.ndarray  # int8 tier now (plan rows only meaningful)
     dst: np.ndarray  # int8 tier wanted
-    sources: list = field(default_factory=list)  # hotness sources to collect from
+    sources: list[HotnessSource] = field(default_factory=list)  # to collect from
     plan: pol.Plan | None = None
     plan_pos: np.ndarray | None = None  # position of each job block in plan.rows (-1 = none)
     started: float = 0.0
@@ -62,7 +63,7 @@ class Job:
     ok: np.ndarray | None = None
     unmovable: np.ndarray | None = None
     failures: collections.Counter = field(default_factory=collections.Counter)
-    observations: list = field(default_factory=list)  # sources.Observation, rows as at snapshot
+    observations: list[ObservationView] = field(default_factory=list)  # rows as at snapshot
     seconds: float = 0.0
 
 
@@ -71,17 +72,20 @@ class Engine:
         self,
         table: BlockTable,
         registry: Registry,
-        topology: Any,  # kvtier.kernel.topology.Topology
-        migrator: Any,  # kvtier.kernel.migrator.Migrator
+        topology: TopologyView,
+        migrator: MigratorPort,
         temperature: Temperature,
         policy_cfg: pol.PolicyConfig,
         stats: DaemonStats,
+        loop: asyncio.AbstractEventLoop,
         *,
         residency_interval: float = 10.0,
-        sources: list | None = None,
-        availability: dict | None = None,
-        clock=time.monotonic,
+        sources: Sequence[HotnessSource] = (),
+        availability: Mapping[str, AvailabilityView] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
+        """``loop`` is the event loop the registry lives on: a finished job
+        is applied there (call_soon_threadsafe from the worker)."""
         self.table = table
         self.registry = registry
         self.topology = topology
@@ -101,12 +105,12 @@ class Engine:
         self.last_tick = 0.0
         self.last_full_measure = -np.inf
         self.manual: list[tuple[np.ndarray, np.ndarray, int]] = []  # (region ids, indices, tier)
-        self.loop: asyncio.AbstractEventLoop | None = None
+        self.loop = loop
         # Hotness sources that probed available; their set_targets runs on
         # this thread between jobs, their collect on the worker inside a job,
         # so a source is never used by two threads at once.
         self.availability = dict(availability or {})
-        self.sources = [s for s in (sources or []) if self.availability.get(s.name)]
+        self.sources = [s for s in sources if self.availability.get(s.name)]
         self._targets_gen = -1
 
     # -- tiers -----------------------------------------------------------
@@ -218,8 +222,7 @@ class Engine:
             return
         self.job = job
         self.future = self.executor.submit(self._run, job)
-        loop = self.loop or asyncio.get_running_loop()
-        self.future.add_done_callback(lambda f: loop.call_soon_threadsafe(self._finish, job, f))
+        self.future.add_done_callback(lambda f: self.loop.call_soon_threadsafe(self._finish, job, f))
 
     def _build_job(self, now: float) -> Job | None:
         t = self.table
@@ -260,11 +263,11 @@ class Engine:
         if self.sources and self._targets_gen != self.registry.generation:
             # Rows shifted since the sources last saw the table: re-target them
             # now, so their next observations index this snapshot's rows.
-            for src_ in self.sources:
+            for source in self.sources:
                 try:
-                    src_.set_targets(t)
+                    source.set_targets(t)
                 except (KvtierError, OSError) as e:
-                    log.warning("hotness source %s: set_targets failed: %s", src_.name, e)
+                    log.warning("hotness source %s: set_targets failed: %s", source.name, e)
             self._targets_gen = self.registry.generation
         if not (move.any() or measure.any() or self.sources):
             return None

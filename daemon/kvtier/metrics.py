@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
@@ -42,8 +42,10 @@ from prometheus_client.core import (
 from prometheus_client.exposition import start_http_server
 
 from kvtier import ages
-from kvtier.blocks import F_MANUAL_PIN, F_UNMOVABLE, TIER_MIXED, TIER_UNKNOWN
-from kvtier.stats import MIGRATION_BUCKETS, TICK_BUCKETS, Histogram, le_label
+from kvtier.blocks import F_MANUAL_PIN, F_UNMOVABLE, TIER_MIXED, TIER_UNKNOWN, BlockTable
+from kvtier.ports import TierInfo, TopologyView
+from kvtier.registry import Registry
+from kvtier.stats import MIGRATION_BUCKETS, TICK_BUCKETS, DaemonStats, Histogram, le_label
 
 DEFAULT_ADDRESS = "127.0.0.1"
 DEFAULT_PORT = 9464  # the port Prometheus' own exporter list keeps for OpenTelemetry-style exporters
@@ -149,10 +151,10 @@ class Collector:
 
     def __init__(
         self,
-        stats: Any,
-        registry: Any,
-        table: Any,
-        topology: Any,
+        stats: DaemonStats,
+        registry: Registry,
+        table: BlockTable,
+        topology: TopologyView | Callable[[], TopologyView],
         *,
         sources: Callable[[], Iterable[SourceStatus]] | None = None,
         per_region: bool = True,
@@ -172,7 +174,7 @@ class Collector:
 
     # -- helpers -----------------------------------------------------------
 
-    def _tiers(self) -> list[Any]:
+    def _tiers(self) -> list[TierInfo]:
         # A callable topology follows a daemon that rediscovers on reload
         # (``lambda: engine.topology``); a plain Topology is fixed.
         topo = self.topology() if callable(self.topology) else self.topology
@@ -447,10 +449,10 @@ class MetricsExporter:
 
     def __init__(
         self,
-        stats: Any,
-        registry: Any,
-        table: Any,
-        topology: Any,
+        stats: DaemonStats,
+        registry: Registry,
+        table: BlockTable,
+        topology: TopologyView | Callable[[], TopologyView],
         address: str = DEFAULT_ADDRESS,
         port: int = DEFAULT_PORT,
         *,

@@ -31,10 +31,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvtier import ages, logs, protocol as P
+from kvtier import ages, logs, protocol
 
 from kvtier.kernel import native, procfs
 from kvtier.errors import KvtierError, KvtierOSError, PermissionDenied, ProcessGone, os_error
+from kvtier.engine import Engine
 from kvtier.registry import Region, Registry
 from kvtier.stats import DaemonStats
 
@@ -160,24 +161,24 @@ def is_privileged(uid: int, gid: int, admin_gid: int | None) -> bool:
         return False
 
 
-def _error_of(exc: BaseException) -> P.ProtocolError:
+def _error_of(exc: BaseException) -> protocol.ProtocolError:
     """Map typed daemon errors to wire errors; anything else is internal."""
-    if isinstance(exc, P.ProtocolError):
+    if isinstance(exc, protocol.ProtocolError):
         return exc
     if isinstance(exc, KvtierOSError):
-        return P.ProtocolError(exc.code, str(exc), errno=exc.errno or 0)
+        return protocol.ProtocolError(exc.code, str(exc), errno=exc.errno or 0)
     if isinstance(exc, KvtierError):
-        return P.ProtocolError(exc.code, str(exc))
+        return protocol.ProtocolError(exc.code, str(exc))
     if isinstance(exc, OSError):
-        return P.ProtocolError(P.E_OS, str(exc), errno=exc.errno or 0)
-    return P.ProtocolError(P.E_INTERNAL, f"{type(exc).__name__}: {exc}")
+        return protocol.ProtocolError(protocol.E_OS, str(exc), errno=exc.errno or 0)
+    return protocol.ProtocolError(protocol.E_INTERNAL, f"{type(exc).__name__}: {exc}")
 
 
 class ControlAPI:
     """One method per op: ``handle(peer, request) -> result``. Raises typed
     errors; the transport turns them into error responses."""
 
-    def __init__(self, registry: Registry, engine: Any, stats: DaemonStats,
+    def __init__(self, registry: Registry, engine: Engine, stats: DaemonStats,
                  max_message_bytes: int, version: str = "0"):
         self.registry = registry
         self.engine = engine
@@ -185,10 +186,10 @@ class ControlAPI:
         self.max_message_bytes = max_message_bytes
         self.version = version
         self._handlers: dict[type, Callable[[Peer, Any], Any]] = {
-            t: getattr(self, "op_" + op) for op, t in P.OPS.items()
+            t: getattr(self, "op_" + op) for op, t in protocol.OPS.items()
         }
 
-    def handle(self, peer: Peer, req: P.Request) -> Any:
+    def handle(self, peer: Peer, req: protocol.Request) -> Any:
         return self._handlers[type(req)](peer, req)
 
     # -- authorisation ---------------------------------------------------
@@ -243,19 +244,19 @@ class ControlAPI:
 
     # -- client ops ------------------------------------------------------
 
-    def op_hello(self, peer: Peer, req: P.Hello) -> dict:
-        common = sorted(set(req.versions) & set(P.SUPPORTED_VERSIONS))
+    def op_hello(self, peer: Peer, req: protocol.Hello) -> dict:
+        common = sorted(set(req.versions) & set(protocol.SUPPORTED_VERSIONS))
         if not common:
-            raise P.ProtocolError(
-                P.E_UNSUPPORTED_VERSION,
-                f"no common protocol version: client {req.versions}, daemon {list(P.SUPPORTED_VERSIONS)}",
+            raise protocol.ProtocolError(
+                protocol.E_UNSUPPORTED_VERSION,
+                f"no common protocol version: client {req.versions}, daemon {list(protocol.SUPPORTED_VERSIONS)}",
             )
         return {
             "version": common[-1],
-            "versions": list(P.SUPPORTED_VERSIONS),
+            "versions": list(protocol.SUPPORTED_VERSIONS),
             "server": SERVER_NAME,
             "server_version": self.version,
-            "capabilities": list(P.CAPABILITIES),
+            "capabilities": list(protocol.CAPABILITIES),
             "max_message_bytes": self.max_message_bytes,
             "page_size": native.PAGE_SIZE,
             "pid": peer.pid,
@@ -263,7 +264,7 @@ class ControlAPI:
             "privileged": peer.privileged,
         }
 
-    def op_register(self, peer: Peer, req: P.Register) -> dict:
+    def op_register(self, peer: Peer, req: protocol.Register) -> dict:
         pid, start_time = self._register_target(peer, req.pid)
         reg = self.registry.add(
             pid, req.start, req.length, req.block_size, name=req.name, tenant=req.tenant,
@@ -272,44 +273,44 @@ class ControlAPI:
         )
         return {"region": reg.id, "blocks": reg.nblocks, "block_size": reg.block_size, "pid": pid}
 
-    def op_unregister(self, peer: Peer, req: P.Unregister) -> dict:
+    def op_unregister(self, peer: Peer, req: protocol.Unregister) -> dict:
         self._own(peer, req.region)
         reg = self.registry.remove(req.region)
         logs.event(log, "region_unregistered", region=reg.id, pid=reg.pid, name=reg.name, by_uid=peer.uid)
         return {}
 
-    def op_hint(self, peer: Peer, req: P.Hint) -> dict:
+    def op_hint(self, peer: Peer, req: protocol.Hint) -> dict:
         self._own(peer, req.region)
-        blocks = P.unpack(req.blocks, P.BLOCKS_DTYPE, "blocks")
-        counts = P.unpack(req.counts, P.COUNTS_DTYPE, "counts")
+        blocks = protocol.unpack(req.blocks, protocol.BLOCKS_DTYPE, "blocks")
+        counts = protocol.unpack(req.counts, protocol.COUNTS_DTYPE, "counts")
         return {"accepted": self.registry.hint(req.region, blocks, counts)}
 
-    def op_phase(self, peer: Peer, req: P.Phase) -> dict:
+    def op_phase(self, peer: Peer, req: protocol.Phase) -> dict:
         self._own(peer, req.region)
-        blocks = P.unpack(req.blocks, P.BLOCKS_DTYPE, "blocks")
+        blocks = protocol.unpack(req.blocks, protocol.BLOCKS_DTYPE, "blocks")
         return {"blocks": self.registry.phase(req.region, req.phase, blocks)}
 
     def _range(self, reg: Region, first: int, count: int | None) -> slice:
         if first > reg.nblocks:
-            raise P.ProtocolError(P.E_INVALID_ARGUMENT,
+            raise protocol.ProtocolError(protocol.E_INVALID_ARGUMENT,
                                   f"first {first} beyond region {reg.id}'s {reg.nblocks} blocks")
         stop = reg.nblocks if count is None else min(reg.nblocks, first + count)
         s = self.registry.table.slices[reg.id]
         return slice(s.start + first, s.start + stop)
 
-    def op_query(self, peer: Peer, req: P.Query) -> dict:
+    def op_query(self, peer: Peer, req: protocol.Query) -> dict:
         reg = self._own(peer, req.region)
         sl = self._range(reg, req.first, req.count)
         tiers = self.registry.table.tier[sl]
-        return {"region": reg.id, "first": req.first, "tiers": tiers.astype(P.TIERS_DTYPE).tobytes(),
+        return {"region": reg.id, "first": req.first, "tiers": tiers.astype(protocol.TIERS_DTYPE).tobytes(),
                 "tier_names": self.engine.tier_names()}
 
-    def op_stats(self, peer: Peer, req: P.Stats) -> dict:
+    def op_stats(self, peer: Peer, req: protocol.Stats) -> dict:
         return self.stats.to_dict()
 
     # -- operator ops ----------------------------------------------------
 
-    def op_status(self, peer: Peer, req: P.Status) -> dict:
+    def op_status(self, peer: Peer, req: protocol.Status) -> dict:
         s = self.stats
         return {
             "server": SERVER_NAME, "server_version": self.version, "pid": os.getpid(),
@@ -319,10 +320,10 @@ class ControlAPI:
             "engine": self.engine.status(),
         }
 
-    def op_tiers(self, peer: Peer, req: P.Tiers) -> dict:
+    def op_tiers(self, peer: Peer, req: protocol.Tiers) -> dict:
         return {"tiers": self.engine.tiers()}
 
-    def op_regions(self, peer: Peer, req: P.Regions) -> dict:
+    def op_regions(self, peer: Peer, req: protocol.Regions) -> dict:
         table = self.registry.table
         out = []
         for r in self.registry.regions.values():
@@ -338,7 +339,7 @@ class ControlAPI:
             out.append(d)
         return {"regions": out}
 
-    def op_ages(self, peer: Peer, req: P.Ages) -> dict:
+    def op_ages(self, peer: Peer, req: protocol.Ages) -> dict:
         """Bytes by time since last access, per tier and tenant, over the
         regions the caller may see (all for privileged callers)."""
         table, reg = self.registry.table, self.registry
@@ -356,37 +357,37 @@ class ControlAPI:
         return {"buckets": list(ages.AGE_LABELS), "edges_s": list(ages.AGE_EDGES), "rows": rows,
                 "tier_names": self.engine.tier_names()}
 
-    def op_blocks(self, peer: Peer, req: P.Blocks) -> dict:
+    def op_blocks(self, peer: Peer, req: protocol.Blocks) -> dict:
         reg = self._own(peer, req.region)
         sl = self._range(reg, req.first, req.count)
         t = self.registry.table
         return {
             "region": reg.id, "first": req.first,
-            "tiers": t.tier[sl].astype(P.TIERS_DTYPE).tobytes(),
-            "temps": t.temp[sl].astype(P.TEMPS_DTYPE).tobytes(),
-            "flags": t.flags[sl].astype(P.FLAGS_DTYPE).tobytes(),
-            "last_access_age": (self.registry.clock() - t.last_access[sl]).astype(P.TIMES_DTYPE).tobytes(),
+            "tiers": t.tier[sl].astype(protocol.TIERS_DTYPE).tobytes(),
+            "temps": t.temp[sl].astype(protocol.TEMPS_DTYPE).tobytes(),
+            "flags": t.flags[sl].astype(protocol.FLAGS_DTYPE).tobytes(),
+            "last_access_age": (self.registry.clock() - t.last_access[sl]).astype(protocol.TIMES_DTYPE).tobytes(),
             "tier_names": self.engine.tier_names(),
         }
 
-    def op_migrate(self, peer: Peer, req: P.Migrate) -> dict:
+    def op_migrate(self, peer: Peer, req: protocol.Migrate) -> dict:
         self._own(peer, req.region)
-        rows = self.registry.rows(req.region, P.unpack(req.blocks, P.BLOCKS_DTYPE, "blocks"))
+        rows = self.registry.rows(req.region, protocol.unpack(req.blocks, protocol.BLOCKS_DTYPE, "blocks"))
         return {"queued": self.engine.request_move(rows, req.tier)}
 
-    def op_pin(self, peer: Peer, req: P.Pin) -> dict:
+    def op_pin(self, peer: Peer, req: protocol.Pin) -> dict:
         self._own(peer, req.region)
         self.engine.check_tier(req.tier)
-        return {"blocks": self.registry.pin(req.region, P.unpack(req.blocks, P.BLOCKS_DTYPE, "blocks"), req.tier)}
+        return {"blocks": self.registry.pin(req.region, protocol.unpack(req.blocks, protocol.BLOCKS_DTYPE, "blocks"), req.tier)}
 
-    def op_unpin(self, peer: Peer, req: P.Unpin) -> dict:
+    def op_unpin(self, peer: Peer, req: protocol.Unpin) -> dict:
         self._own(peer, req.region)
-        return {"blocks": self.registry.unpin(req.region, P.unpack(req.blocks, P.BLOCKS_DTYPE, "blocks"))}
+        return {"blocks": self.registry.unpin(req.region, protocol.unpack(req.blocks, protocol.BLOCKS_DTYPE, "blocks"))}
 
-    def op_explain(self, peer: Peer, req: P.Explain) -> dict:
+    def op_explain(self, peer: Peer, req: protocol.Explain) -> dict:
         reg = self._own(peer, req.region)
         if req.block >= reg.nblocks:
-            raise P.ProtocolError(P.E_INVALID_ARGUMENT,
+            raise protocol.ProtocolError(protocol.E_INVALID_ARGUMENT,
                                   f"block {req.block} out of range: region {reg.id} has {reg.nblocks}")
         row = self.registry.table.slices[reg.id].start + req.block
         return {"region": reg.id, "block": req.block, "text": self.engine.explain(row)}
@@ -419,7 +420,7 @@ class Connection(asyncio.Protocol):
         self.server = server
         self.transport: asyncio.Transport | None = None
         self.peer: Peer | None = None
-        self.reader = P.FrameReader(server.max_message_bytes)
+        self.reader = protocol.FrameReader(server.max_message_bytes)
         self.bucket = TokenBucket(server.requests_per_second, server.request_burst)
         self.closing = False
 
@@ -429,7 +430,7 @@ class Connection(asyncio.Protocol):
         self.peer = Peer.of_socket(sock, self.server.admin_gid, self.server.proc_root)
         refuse = self.server.admit(self)
         if refuse:
-            self._fail(P.ProtocolError(P.E_LIMIT, refuse, fatal=True))
+            self._fail(protocol.ProtocolError(protocol.E_LIMIT, refuse, fatal=True))
             return
         transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
 
@@ -447,11 +448,11 @@ class Connection(asyncio.Protocol):
         if self.transport is not None and not self.closing:
             self.transport.resume_reading()
 
-    def _fail(self, err: P.ProtocolError) -> None:
+    def _fail(self, err: protocol.ProtocolError) -> None:
         st = self.server.stats
         st.errors[("frame", err.code)] += 1
         if self.transport is not None:
-            self.transport.write(P.error(err.req_id, err))
+            self.transport.write(protocol.error(err.req_id, err))
             self.closing = True
             self.transport.close()
 
@@ -462,7 +463,7 @@ class Connection(asyncio.Protocol):
         st.bytes_in += len(data)
         try:
             frames = self.reader.feed(data)
-        except P.ProtocolError as e:
+        except protocol.ProtocolError as e:
             self._fail(e)
             return
         out = []
@@ -473,21 +474,21 @@ class Connection(asyncio.Protocol):
             try:
                 wait = self.bucket.take()
                 if wait:
-                    raise P.ProtocolError(
-                        P.E_RATE, f"more than {self.bucket.rate:g} requests/s (limits.requests_per_second)",
-                        retry_after_ms=max(1, int(wait * 1000)), req_id=P._salvage_id(payload),
+                    raise protocol.ProtocolError(
+                        protocol.E_RATE, f"more than {self.bucket.rate:g} requests/s (limits.requests_per_second)",
+                        retry_after_ms=max(1, int(wait * 1000)), req_id=protocol._salvage_id(payload),
                     )
-                req = P.decode_request(payload)
+                req = protocol.decode_request(payload)
                 rid = req.id
                 op = req.__struct_config__.tag
                 st.requests[op] += 1
-                out.append(P.ok(rid, api.handle(self.peer, req)))
+                out.append(protocol.ok(rid, api.handle(self.peer, req)))
             except Exception as exc:  # every failure becomes an answer, never a crash
                 err = _error_of(exc)
-                if err.code == P.E_INTERNAL:
+                if err.code == protocol.E_INTERNAL:
                     log.exception("internal error serving %s from pid %s", op, self.peer.pid)
                 st.errors[(op, err.code)] += 1
-                out.append(P.error(rid or err.req_id, err))
+                out.append(protocol.error(rid or err.req_id, err))
         if out:
             blob = b"".join(out)
             st.bytes_out += len(blob)
@@ -579,7 +580,7 @@ class Server:
         mode: int = 0o660,
         group: str = "",
         admin_group: str = "",
-        max_message_bytes: int = P.DEFAULT_MAX_MESSAGE,
+        max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE,
         requests_per_second: float = 50000.0,
         request_burst: int = 5000,
         max_connections: int = 1024,
