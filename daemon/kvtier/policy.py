@@ -84,12 +84,47 @@ R_PIN = 6  # F_MANUAL_PIN block not in its pin_tier
 R_NEVER_SWAP = 7  # F_NEVER_SWAP block found in swap
 REASON_NAMES = ("overflow", "cold", "evict", "quota", "promote", "keep_dram", "pin", "never_swap")
 
+# Why a block stays where it is; Plan.stay[row] holds the code of the rule
+# that decided it, STAY_NAMES[code] its label, STAY_TEXT[code] a sentence.
+S_PLACED = 0  # nothing asks it to move (hot where it is, or cold and below)
+S_THRESHOLD = 1  # in a slower tier, colder than promote_temp
+S_WATERMARK = 2  # demotion stopped at the low watermark / room kept for allocations
+S_MARGIN = 3  # not hotter than the coldest resident by the exchange margin
+S_RESIDENCE = 4  # moved less than min_residence_s ago
+S_RATE_LIMIT = 5  # a candidate, but the token bucket ran out first
+S_BACKOFF = 6  # a move failed; waiting for retry_at
+S_PIN = 7  # manually pinned where it is
+S_UNMOVABLE = 8  # the kernel cannot move its pages
+S_QUOTA = 9  # its tenant is at its DRAM quota
+S_KEEP_DRAM = 10  # keep_dram constraint holds it in DRAM
+S_NOT_PRESENT = 11  # no page touched yet
+S_UNMEASURED = 12  # placement not measured (or straddles tiers)
+STAY_NAMES = ("placed", "threshold", "watermark", "margin", "residence", "rate_limit", "backoff", "pin",
+              "unmovable", "quota", "keep_dram", "not_present", "unmeasured")
+STAY_TEXT = (
+    "nothing asks it to move",
+    "colder than promote_temp",
+    "watermark: the tier is at or below its low watermark, or this room was made for new allocations",
+    "margin: not hotter than the block it would displace by the exchange margin",
+    "residence: moved less than min_residence_s ago",
+    "rate limit: the migration token bucket ran out",
+    "backoff: its last move failed, waiting to retry",
+    "pin: manually pinned",
+    "unmovable: the kernel cannot move its pages",
+    "quota: its tenant is at its DRAM quota",
+    "keep_dram: the region's constraint holds it in DRAM",
+    "no page touched yet: nothing to move",
+    "placement not measured yet (or pages straddle tiers): never planned until measured",
+)
+
 TIER_KINDS = ("dram", "far", "cxl", "swap")
 
 # Composite sort key = priority * _PRIO_SCALE + effective temperature; the
 # exact comparisons use the two parts separately, this only orders.
 _PRIO_SCALE = 1e12
 _TEMP_CAP = 1e11
+_AGE_SPAN_S = 86400.0
+_AGE_TIE = 1e-6
 
 
 @dataclass(frozen=True)
@@ -154,31 +189,65 @@ class PolicyConfig:
         return float(v) * tier.capacity_bytes if v <= 1.0 else float(v)
 
 
-def _bursts(cfg: PolicyConfig, max_block: float) -> tuple[float, float]:
+# Time constant of the allocation-rate estimate: long enough to ride over a
+# burst of arrivals, short enough to follow the load within a minute.
+INFLOW_TAU_S = 10.0
+_INFLOW_FACTOR = 1.5
+_PROMOTE_FACTOR = 1.0
+
+
+def _bursts(cfg: PolicyConfig, max_block: float, inflow_bps: float = 0.0) -> tuple[float, float]:
     # Depth is burst_s of rate but at least one block, so a rate below one
     # block per tick still moves a block every few ticks.
     return (
-        max(cfg.promote_mbps * MIB * cfg.burst_s, max_block),
-        max(cfg.demote_mbps * MIB * cfg.burst_s, max_block),
+        max(_promote_rate(cfg, inflow_bps) * cfg.burst_s, max_block),
+        max(_demote_rate(cfg, inflow_bps) * cfg.burst_s, max_block),
     )
+
+
+def _promote_rate(cfg: PolicyConfig, inflow_bps: float) -> float:
+    return max(cfg.promote_mbps * MIB, _PROMOTE_FACTOR * inflow_bps)
+
+
+def _demote_rate(cfg: PolicyConfig, inflow_bps: float) -> float:
+    """Bytes/s the demote bucket refills at: the configured rate, or twice the
+    allocation rate if that is more, so room lost to a burst of allocations
+    comes back as fast as it went."""
+    return max(cfg.demote_mbps * MIB, _INFLOW_FACTOR * inflow_bps)
 
 
 @dataclass(frozen=True)
 class PolicyState:
-    """What the policy carries between ticks: the two token buckets (bytes)."""
+    """What the policy carries between ticks: the two token buckets (bytes),
+    and the rate at which new bytes appear in the fastest tier.
+
+    New blocks land in DRAM (first touch) at the serving engine's allocation
+    rate; to keep room for them the demotion side must move at least that
+    fast, so the demote bucket refills at ``max(demote_mbps, 2 * inflow)``. The
+    inflow is what tier 0 gained since the last plan beyond what that plan
+    moved there (``expect_used0``), averaged over ``INFLOW_TAU_S``.
+    """
 
     promote_tokens: float | None = None
     demote_tokens: float | None = None
     last_now: float | None = None
+    expect_used0: float | None = None  # tier-0 bytes once the last plan's moves are done
+    inflow_bps: float = 0.0
 
-    def refill(self, cfg: PolicyConfig, now: float, max_block: float) -> "PolicyState":
-        bp, bd = _bursts(cfg, max_block)
+    def refill(self, cfg: PolicyConfig, now: float, max_block: float, used0: float = 0.0) -> "PolicyState":
         if self.last_now is None or self.promote_tokens is None or self.demote_tokens is None:
-            return PolicyState(bp, bd, now)
+            bp, bd = _bursts(cfg, max_block)
+            return PolicyState(bp, bd, now, None, 0.0)
         dt = max(0.0, now - self.last_now)
-        p = min(bp, self.promote_tokens + cfg.promote_mbps * MIB * dt)
-        d = min(bd, self.demote_tokens + cfg.demote_mbps * MIB * dt)
-        return PolicyState(p, d, max(now, self.last_now))
+        inflow = self.inflow_bps
+        if dt > 0 and self.expect_used0 is not None:
+            seen = max(0.0, used0 - self.expect_used0) / dt
+            a = 1.0 - math.exp(-dt / INFLOW_TAU_S)
+            inflow += a * (seen - inflow)
+        bp, bd = _bursts(cfg, max_block, inflow)
+        p = min(bp, self.promote_tokens + _promote_rate(cfg, inflow) * dt)
+        d = min(bd, self.demote_tokens + _demote_rate(cfg, inflow) * dt)
+        return PolicyState(p, d, max(now, self.last_now), self.expect_used0, inflow)
 
 
 @dataclass(frozen=True)
@@ -190,6 +259,7 @@ class Plan:
     nbytes: np.ndarray  # int64 bytes per move
     bytes_by_direction: dict[tuple[int, int], int]
     names: tuple[str, ...] = REASON_NAMES
+    stay: np.ndarray | None = None  # uint8 per snapshot row: S_* code of why it is not moved
 
     def __len__(self) -> int:
         return int(self.rows.size)
@@ -279,8 +349,11 @@ class _Builder:
         src = self.tier[rows].astype(np.int8)
         nb = self.nb[rows]
         demote = dst > src
-        # demotions first, slowest source first; then promotions, fastest dst first
-        order = np.lexsort((np.where(demote, 0, dst), np.where(demote, -src.astype(np.int16), 0), ~demote))
+        # Demotions first, slowest source first (each lands in room the one
+        # before made); then promotions, fastest destination first; proactive
+        # cold demotions last, so a migrator short of time drops them first.
+        group = np.where(reason == R_COLD, 2, np.where(demote, 0, 1))
+        order = np.lexsort((np.where(demote, 0, dst), np.where(demote, -src.astype(np.int16), 0), group))
         rows, src, dst, reason, nb = rows[order], src[order], dst[order], reason[order], nb[order]
         by_dir: dict[tuple[int, int], int] = {}
         pair = src.astype(np.int64) * 256 + dst.astype(np.int64)
@@ -333,6 +406,195 @@ def _swap_tiers(tiers: Sequence[TierState]) -> np.ndarray:
     return np.array([t.kind == "swap" for t in tiers], dtype=bool)
 
 
+class _Tick:
+    """One plan's inputs, derived once: masks, keys, watermarks, and the
+    ``_Builder`` collecting moves. Each numbered step of the control law is
+    one function over it; each records why the blocks it looked at stay."""
+
+    def __init__(self, snap, tiers: Sequence[TierState], cfg: PolicyConfig, state: PolicyState, now: float):
+        self.tiers, self.cfg, self.now = tiers, cfg, now
+        T = self.T = len(tiers)
+        tier = self.tier = snap["tier"].astype(np.int64)
+        flags = snap["flags"]
+        self.prio = snap["priority"].astype(np.int64)
+        self.tenant = snap["tenant"]
+        self.eff = effective_temp(snap, cfg)
+        # Equal temperatures (every block of a finished request is at 0 after
+        # phase "free") rank by recency: the one read longest ago goes first,
+        # as a later turn of a conversation comes back to what it read last.
+        # The term is below any temperature a read leaves: it only breaks ties.
+        age = np.clip((now - snap["last_access"]) / _AGE_SPAN_S, 0.0, 1.0)
+        self.key = self.prio * _PRIO_SCALE + np.minimum(self.eff, _TEMP_CAP) - _AGE_TIE * age
+        self.is_swap = _swap_tiers(tiers)
+        nonswap = np.flatnonzero(~self.is_swap)
+        self.slowest_mem = int(nonswap[-1]) if nonswap.size else T - 1
+        self.known = (tier >= 0) & (tier < T)
+        unmovable = (flags & F_UNMOVABLE) != 0
+        absent = (flags & F_NOT_PRESENT) != 0
+        backoff = snap["retry_at"] > now
+        self.actionable = self.known & ~unmovable & ~absent & ~backoff
+        self.pinned = (flags & F_MANUAL_PIN) != 0
+        recent = now - snap["last_move"] < cfg.min_residence_s
+        self.settled = self.actionable & ~self.pinned & ~recent
+        self.keep = (flags & F_KEEP_DRAM) != 0
+        self.never_swap = (flags & F_NEVER_SWAP) != 0
+        self.pin_tier = snap["pin_tier"].astype(np.int64)
+        target = np.array([cfg.target_bytes(t) for t in tiers])
+        self.high, self.low = target * cfg.high_wm, target * cfg.low_wm
+        self.b = _Builder(snap, T, state)
+        # Why each block stays, most specific last (a later rule overrides).
+        stay = np.full(tier.size, S_PLACED, dtype=np.uint8)
+        stay[recent] = S_RESIDENCE
+        stay[self.pinned] = S_PIN
+        stay[backoff] = S_BACKOFF
+        stay[absent] = S_NOT_PRESENT
+        stay[unmovable] = S_UNMOVABLE
+        stay[~self.known] = S_UNMEASURED
+        self.stay = stay
+
+    def demotable(self, t: int) -> np.ndarray:
+        m = self.settled & (self.tier == t) & ~self.b.moved
+        if t == 0:
+            m &= ~self.keep
+        if self.is_swap[t + 1]:
+            m &= ~self.never_swap
+        return m
+
+    def mark(self, rows: np.ndarray, reason: int) -> None:
+        """Record ``reason`` for the rows that were considered and not moved."""
+        if rows.size:
+            self.stay[rows[~self.b.moved[rows]]] = reason
+
+
+def _step_constraints(x: _Tick) -> None:
+    """1. Blocks that must be elsewhere go there (residence does not apply: the operator asked)."""
+    b, tier, T = x.b, x.tier, x.T
+    want_pin = x.actionable & x.pinned & (x.pin_tier >= 0) & (x.pin_tier < T) & (x.pin_tier != tier)
+    rows = np.flatnonzero(want_pin)
+    x.mark(b.take(rows, x.pin_tier[rows], R_PIN), S_PLACED)
+    x.mark(rows, S_RATE_LIMIT)
+    want_keep = x.actionable & ~x.pinned & x.keep & (tier > 0) & ~b.moved
+    rows = np.flatnonzero(want_keep)
+    b.take(rows, 0, R_KEEP_DRAM)
+    x.mark(rows, S_RATE_LIMIT)
+    x.stay[x.keep & (tier == 0) & ~x.pinned & x.actionable] = S_KEEP_DRAM
+    if x.is_swap.any():
+        in_swap = x.is_swap[np.clip(tier, 0, T - 1)] & x.known
+        rows = np.flatnonzero(x.actionable & ~x.pinned & x.never_swap & in_swap & ~b.moved)
+        b.take(rows, x.slowest_mem, R_NEVER_SWAP)
+        x.mark(rows, S_RATE_LIMIT)
+
+
+def _step_quotas(x: _Tick) -> None:
+    """2. A tenant above its DRAM quota has its coldest DRAM blocks demoted."""
+    cfg, b = x.cfg, x.b
+    if x.T < 2 or not cfg.tenant_dram_quota:
+        return
+    in0 = b.in_tier(0)  # after the constraint moves
+    for ten, quota in cfg.tenant_dram_quota.items():
+        over = float(b.nb[in0 & (x.tenant == ten)].sum()) - float(quota)
+        if over > 0:
+            cand = np.flatnonzero(x.demotable(0) & (x.tenant == ten))
+            k = min(b.budget_rows("demote", 1 if cand.size == 0 else int(b.nb[cand].min())), cand.size)
+            b.take(_ordered(cand, x.key, k, hottest_first=False), 1, R_QUOTA, over)
+            x.mark(cand, S_RATE_LIMIT)
+
+
+def _step_overflow(x: _Tick, t: int) -> float:
+    """3a. Above the high watermark, demote the coldest residents of ``t`` to
+    the low watermark (like kswapd). Returns the hottest key demoted (the
+    floor promotion candidates must beat), -inf if none."""
+    b = x.b
+    if b.used[t] <= x.high[t]:
+        return -np.inf
+    cand = np.flatnonzero(x.demotable(t))
+    if cand.size == 0:
+        return -np.inf
+    k = min(b.budget_rows("demote", int(b.nb[cand].min())), cand.size)
+    gone = b.take(_ordered(cand, x.key, k, hottest_first=False), t + 1, R_OVERFLOW, b.used[t] - x.low[t])
+    return float(x.key[gone].max()) if gone.size else -np.inf
+
+
+def _step_promote(x: _Tick, t: int, floor: float) -> None:
+    """3b. Promote into ``t`` the hottest blocks of slower tiers: into free
+    room below the high watermark, or in exchange for a colder resident when
+    hotter by the margin (``exchange_bar``) or of higher priority."""
+    b, cfg, key, eff, prio = x.b, x.cfg, x.key, x.eff, x.prio
+    slower = x.settled & ~b.moved & x.known & (x.tier > t)
+    if x.never_swap.any() and x.is_swap[t]:
+        slower &= ~x.never_swap
+    hot = slower & (eff >= cfg.promote_temp)
+    x.stay[slower & ~hot] = S_THRESHOLD
+    # Only blocks that rank above everything just demoted from t: that room
+    # was made for new allocations, not for colder blocks.
+    x.stay[hot & (key <= floor)] = S_WATERMARK
+    cand = np.flatnonzero(hot & (key > floor))
+    if cand.size == 0:
+        return
+    k = min(b.budget_rows("promote", int(b.nb[cand].min())), cand.size)
+    top = _ordered(cand, key, k, hottest_first=True)
+    x.mark(cand, S_RATE_LIMIT)  # until admitted below
+    cand = top
+    if t == 0 and cfg.tenant_dram_quota:
+        allowed = _within_quota(cand, b, x.tenant, cfg.tenant_dram_quota)
+        x.stay[np.setdiff1d(cand, allowed)] = S_QUOTA
+        cand = allowed
+        if cand.size == 0:
+            return
+    room = max(0.0, x.high[t] - b.used[t])
+    free = x.tiers[t].free_bytes
+    if free is not None:
+        # what the node has free, minus what this plan already sends there
+        room = min(room, max(0.0, float(free) - b.inflow[t]))
+    res = np.flatnonzero(x.demotable(t))
+    kr = min(b.budget_rows("demote", int(b.nb[res].min())) if res.size else 0, res.size)
+    res = _ordered(res, key, kr, hottest_first=False)
+    cum_c = np.cumsum(b.nb[cand])
+    ok = cum_c <= room
+    if res.size and not ok.all():
+        cum_r = np.cumsum(b.nb[res])
+        j = np.searchsorted(cum_r, cum_c - room, side="left")
+        jj = np.minimum(j, res.size - 1)
+        ok |= (j < res.size) & _beats(prio[cand], eff[cand], prio[res[jj]], eff[res[jj]], cfg)
+    k = cand.size if ok.all() else int(np.argmin(ok))
+    # Hottest candidates meet the coldest residents first, so the first pair
+    # that fails the margin ends the exchange: the rest fail it too.
+    x.mark(cand[k:], S_MARGIN)
+    x.mark(res, S_MARGIN)  # residents that no candidate beat
+    if k == 0:
+        return
+    cand = cand[:k]
+    # evict exactly the residents the admitted candidates need, then promote
+    over = float(cum_c[k - 1]) - room
+    if over > 0 and res.size:
+        cum_r = np.cumsum(b.nb[res])
+        nev = int(np.searchsorted(cum_r, over, side="left")) + 1
+        ev = b.take(res[:nev], t + 1, R_EVICT)
+        freed = float(b.nb[ev].sum())
+        if ev.size < nev:  # demote budget ran out: admit only what fits
+            x.mark(cand[cum_c[:k] > room + freed], S_RATE_LIMIT)
+            cand = cand[cum_c[:k] <= room + freed]
+    x.mark(cand, S_RATE_LIMIT)
+    b.take(cand, t, R_PROMOTE, math.inf)
+
+
+def _step_cold(x: _Tick, t: int) -> None:
+    """3c. Between the watermarks, demote blocks colder than ``demote_temp``
+    down to the low watermark: headroom for new allocations without evicting
+    anything in use. Planned after the promotions and executed after them, so
+    a migrator short of time drops this proactive work first."""
+    b, cfg = x.b, x.cfg
+    if not cfg.cold_demote or b.used[t] > x.high[t]:
+        return
+    cand = np.flatnonzero(x.demotable(t) & (x.eff < cfg.demote_temp))
+    if cand.size == 0 or b.used[t] <= x.low[t]:
+        x.mark(cand, S_WATERMARK)
+        return
+    k = min(b.budget_rows("demote", int(b.nb[cand].min())), cand.size)
+    b.take(_ordered(cand, x.key, k, hottest_first=False), t + 1, R_COLD, b.used[t] - x.low[t])
+    x.mark(cand, S_WATERMARK)  # the rest: the tier is at its low watermark now (or tokens ran out)
+
+
 def plan(
     snap: Mapping[str, np.ndarray],
     tiers: Sequence[TierState],
@@ -342,132 +604,24 @@ def plan(
 ) -> tuple[Plan, PolicyState]:
     """Decide this tick's moves. Pure: ``snap`` and ``state`` are not modified."""
     tiers = sorted(tiers, key=lambda t: t.index)
-    T = len(tiers)
     n = int(snap["tier"].size)
     max_block = float(snap["nbytes"].max()) if n else 0.0
-    state = state.refill(cfg, now, max_block)
-    if n == 0 or T == 0:
+    used0 = float(snap["nbytes"][snap["tier"] == 0].sum()) if n else 0.0
+    state = state.refill(cfg, now, max_block, used0)
+    if n == 0 or not tiers:
         return empty_plan(), state
-
-    tier = snap["tier"].astype(np.int64)
-    flags = snap["flags"]
-    prio = snap["priority"].astype(np.int64)
-    tenant = snap["tenant"]
-    eff = effective_temp(snap, cfg)
-    key = prio * _PRIO_SCALE + np.minimum(eff, _TEMP_CAP)
-    is_swap = _swap_tiers(tiers)
-    nonswap = np.flatnonzero(~is_swap)
-    slowest_mem = int(nonswap[-1]) if nonswap.size else T - 1
-
-    known = (tier >= 0) & (tier < T)
-    actionable = known & ((flags & (F_UNMOVABLE | F_NOT_PRESENT)) == 0) & (snap["retry_at"] <= now)
-    pinned = (flags & F_MANUAL_PIN) != 0
-    settled = actionable & ~pinned & (now - snap["last_move"] >= cfg.min_residence_s)
-    keep = (flags & F_KEEP_DRAM) != 0
-    never_swap = (flags & F_NEVER_SWAP) != 0
-
-    b = _Builder(snap, T, state)
-    target = np.array([cfg.target_bytes(t) for t in tiers])
-    high, low = target * cfg.high_wm, target * cfg.low_wm
-
-    # 1. constraints (residence time does not apply: the operator asked)
-    pin_tier = snap["pin_tier"].astype(np.int64)
-    want_pin = actionable & pinned & (pin_tier >= 0) & (pin_tier < T) & (pin_tier != tier)
-    rows = np.flatnonzero(want_pin)
-    b.take(rows, pin_tier[rows], R_PIN)
-    want_keep = actionable & ~pinned & keep & (tier > 0) & ~b.moved
-    b.take(np.flatnonzero(want_keep), 0, R_KEEP_DRAM)
-    if is_swap.any():
-        want_ns = actionable & ~pinned & never_swap & is_swap[np.clip(tier, 0, T - 1)] & known & ~b.moved
-        b.take(np.flatnonzero(want_ns), slowest_mem, R_NEVER_SWAP)
-
-    def demotable(t: int) -> np.ndarray:
-        m = settled & (tier == t) & ~b.moved
-        if t == 0:
-            m &= ~keep
-        if is_swap[t + 1]:
-            m &= ~never_swap
-        return m
-
-    # 2. tenant DRAM quotas
-    if T > 1 and cfg.tenant_dram_quota:
-        in0 = b.in_tier(0)  # after the constraint moves
-        for ten, quota in cfg.tenant_dram_quota.items():
-            over = float(b.nb[in0 & (tenant == ten)].sum()) - float(quota)
-            if over > 0:
-                cand = np.flatnonzero(demotable(0) & (tenant == ten))
-                k = min(b.budget_rows("demote", 1 if cand.size == 0 else int(b.nb[cand].min())), cand.size)
-                b.take(_ordered(cand, key, k, hottest_first=False), 1, R_QUOTA, over)
-
-    # 3. per tier, fastest first
-    for t in range(T - 1):
-        # a. watermarks
-        if b.used[t] > low[t]:
-            need = b.used[t] - low[t]
-            m = demotable(t)
-            if b.used[t] <= high[t]:
-                if not cfg.cold_demote:
-                    m[:] = False
-                m &= eff < cfg.demote_temp
-                reason = R_COLD
-            else:
-                reason = R_OVERFLOW
-            cand = np.flatnonzero(m)
-            floor = -np.inf
-            if cand.size:
-                k = min(b.budget_rows("demote", int(b.nb[cand].min())), cand.size)
-                gone = b.take(_ordered(cand, key, k, hottest_first=False), t + 1, reason, need)
-                if gone.size:
-                    floor = float(key[gone].max())
-        else:
-            floor = -np.inf
-
-        # b. promotion into t from every slower tier
-        # Only blocks that rank above everything just demoted from t: the
-        # demotion made room for new allocations, not for colder blocks.
-        cand_m = settled & ~b.moved & known & (tier > t) & (eff >= cfg.promote_temp) & (key > floor)
-        if never_swap.any() and is_swap[t]:
-            cand_m &= ~never_swap
-        cand = np.flatnonzero(cand_m)
-        if cand.size == 0:
-            continue
-        k = min(b.budget_rows("promote", int(b.nb[cand].min())), cand.size)
-        cand = _ordered(cand, key, k, hottest_first=True)
-        if t == 0 and cfg.tenant_dram_quota:
-            cand = _within_quota(cand, b, tenant, cfg.tenant_dram_quota)
-        room = max(0.0, high[t] - b.used[t])
-        free = tiers[t].free_bytes
-        if free is not None:
-            # what the node has free, minus what this plan already sends there
-            room = min(room, max(0.0, float(free) - b.inflow[t]))
-        res = np.flatnonzero(demotable(t))
-        kr = min(b.budget_rows("demote", int(b.nb[res].min())) if res.size else 0, res.size)
-        res = _ordered(res, key, kr, hottest_first=False)
-        cum_c = np.cumsum(b.nb[cand])
-        fits = cum_c <= room
-        ok = fits.copy()
-        if res.size and not fits.all():
-            cum_r = np.cumsum(b.nb[res])
-            j = np.searchsorted(cum_r, cum_c - room, side="left")
-            jj = np.minimum(j, res.size - 1)
-            ok |= (j < res.size) & _beats(prio[cand], eff[cand], prio[res[jj]], eff[res[jj]], cfg)
-        k = cand.size if ok.all() else int(np.argmin(ok))
-        if k == 0:
-            continue
-        cand = cand[:k]
-        # evict exactly the residents the admitted candidates need, then promote
-        over = float(cum_c[k - 1]) - room
-        if over > 0 and res.size:
-            cum_r = np.cumsum(b.nb[res])
-            nev = int(np.searchsorted(cum_r, over, side="left")) + 1
-            ev = b.take(res[:nev], t + 1, R_EVICT)
-            freed = float(b.nb[ev].sum())
-            if ev.size < nev:  # demote budget ran out: admit only what fits
-                cand = cand[cum_c[:k] <= room + freed]
-        b.take(cand, t, R_PROMOTE, math.inf)
-
-    return b.plan(), replace(
-        state, promote_tokens=max(0.0, b.tokens["promote"]), demote_tokens=max(0.0, b.tokens["demote"])
+    x = _Tick(snap, tiers, cfg, state, now)
+    _step_constraints(x)
+    _step_quotas(x)
+    for t in range(x.T - 1):  # fastest tier first; what lands in t+1 is handled in its turn
+        floor = _step_overflow(x, t)
+        _step_promote(x, t, floor)
+        _step_cold(x, t)
+    b = x.b
+    out = replace(b.plan(), stay=x.stay)
+    return out, replace(
+        state, promote_tokens=max(0.0, b.tokens["promote"]), demote_tokens=max(0.0, b.tokens["demote"]),
+        expect_used0=float(b.used[0]),
     )
 
 
@@ -489,11 +643,14 @@ def refund(state: PolicyState, plan_: Plan, ok_mask: np.ndarray, cfg: PolicyConf
         return state
     bad = ~np.asarray(ok_mask, dtype=bool)
     up = plan_.dst < plan_.src
-    bp, bd = _bursts(cfg, float(plan_.nbytes.max()))
+    bp, bd = _bursts(cfg, float(plan_.nbytes.max()), state.inflow_bps)
     return replace(
         state,
         promote_tokens=min(bp, state.promote_tokens + float(plan_.nbytes[bad & up].sum())),
         demote_tokens=min(bd, state.demote_tokens + float(plan_.nbytes[bad & ~up].sum())),
+        # what did not leave (or reach) tier 0 is not new allocation there
+        expect_used0=None if state.expect_used0 is None else state.expect_used0
+        + float(plan_.nbytes[bad & (plan_.src == 0)].sum()) - float(plan_.nbytes[bad & (plan_.dst == 0)].sum()),
     )
 
 
@@ -578,22 +735,6 @@ def explain(
         + f"; promote at >= {cfg.promote_temp}, cold below {cfg.demote_temp}",
         "flags: " + (", ".join(_flag_names(f)) or "none"),
     ]
-    reasons = []
-    if not 0 <= t < T:
-        reasons.append("placement not measured yet (or pages straddle tiers): never planned until measured")
-    if f & F_UNMOVABLE:
-        reasons.append("kernel cannot move its pages (pinned): skipped for good")
-    if f & F_NOT_PRESENT:
-        reasons.append("no page touched yet: nothing to move")
-    ra = float(snap["retry_at"][row])
-    if ra > now:
-        reasons.append(f"last move failed {int(snap['fail_count'][row])} time(s): retry in {ra - now:.1f}s")
-    if f & F_MANUAL_PIN:
-        pt = int(snap["pin_tier"][row])
-        reasons.append(f"manually pinned to tier {pt if pt >= 0 else t}")
-    since = now - float(snap["last_move"][row])
-    if since < cfg.min_residence_s:
-        reasons.append(f"moved {since:.1f}s ago: stays at least {cfg.min_residence_s}s")
     if 0 <= t < T:
         tgt = cfg.target_bytes(tiers[t])
         known = snap["tier"] == t
@@ -611,11 +752,25 @@ def explain(
                     f"coldest block in tier {t - 1}: {cold:.3g}; displacing it needs > "
                     f"{float(exchange_bar(cold, cfg, eff)):.3g}"
                 )
+    # The verdict is the plan's own: the rule that moved the block, or the
+    # rule that kept it where it is, as plan() recorded it.
     p, _ = plan(snap, tiers, cfg, state, now)
     hit = np.flatnonzero(p.rows == row)
     if hit.size:
         i = int(hit[0])
         out.append(f"plan: move tier {int(p.src[i])} -> {int(p.dst[i])} ({REASON_NAMES[int(p.reason[i])]})")
-    else:
-        out.append("plan: stay" + (" — " + "; ".join(reasons) if reasons else ""))
+        return "\n".join(out)
+    code = int(p.stay[row]) if p.stay is not None else S_PLACED
+    detail = STAY_TEXT[code]
+    if code == S_RESIDENCE:
+        detail += f" ({now - float(snap['last_move'][row]):.1f}s of {cfg.min_residence_s}s)"
+    elif code == S_BACKOFF:
+        detail += (f" (failed {int(snap['fail_count'][row])} time(s), "
+                   f"retry in {float(snap['retry_at'][row]) - now:.1f}s)")
+    elif code == S_PIN:
+        pt = int(snap["pin_tier"][row])
+        detail += f" to tier {pt if pt >= 0 else t}"
+    elif code == S_THRESHOLD:
+        detail += f" ({eff:.3g} < {cfg.promote_temp})"
+    out.append(f"plan: stay ({STAY_NAMES[code]}) - {detail}")
     return "\n".join(out)

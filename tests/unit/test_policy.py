@@ -25,6 +25,8 @@ from kvtier.policy import (
     R_PROMOTE,
     R_QUOTA,
     REASON_NAMES,
+    S_UNMOVABLE,
+    STAY_NAMES,
     PolicyConfig,
     PolicyState,
     TierState,
@@ -416,10 +418,17 @@ def test_plan_invariants(seed, n, ntiers, dram, mbps, quota):
     burst = max(mbps * MIB, BS)
     assert p.promote_bytes <= burst and p.demote_bytes <= burst
     assert st2.promote_tokens == pytest.approx(burst - p.promote_bytes)
-    # demotions come before promotions
+    # demotions come before promotions, proactive cold demotions after them
     up = p.dst < p.src
-    if up.any() and (~up).any():
-        assert np.flatnonzero(~up).max() < np.flatnonzero(up).min()
+    cold = p.reason == R_COLD
+    if up.any() and (~up & ~cold).any():
+        assert np.flatnonzero(~up & ~cold).max() < np.flatnonzero(up).min()
+    if up.any() and cold.any():
+        assert np.flatnonzero(up).max() < np.flatnonzero(cold).min()
+    # every block not moved has the rule that kept it recorded
+    assert p.stay is not None and p.stay.size == n and int(p.stay.max()) < len(STAY_NAMES)
+    measured = (snap["tier"] >= 0) & (snap["tier"] < ntiers)
+    assert np.all(p.stay[((snap["flags"] & F_UNMOVABLE) != 0) & measured] == S_UNMOVABLE)
     # promotions (not operator moves) never push a tier past its high watermark
     after = snap["tier"].copy()
     after[p.rows] = p.dst
@@ -434,3 +443,62 @@ def test_plan_invariants(seed, n, ntiers, dram, mbps, quota):
         if prom1.any():
             forced1 = int(p.nbytes[(p.dst == 0) & (ten[p.rows] == 1) & np.isin(p.reason, [R_PIN, R_KEEP_DRAM])].sum())
             assert int(snap["nbytes"][(after == 0) & (ten == 1)].sum()) <= quota * BS + forced1
+
+
+def _full_dram(temp_res=5.0, temp_out=300.0, **kw):
+    """DRAM of 4 blocks full of rows 0-3 at temp_res; row 4 in CXL at temp_out."""
+    t = make_table(5, tier=0, temp=temp_res)
+    t.tier[4] = 1
+    t.temp[4] = temp_out
+    return t
+
+
+@pytest.mark.parametrize("rule", ["quota", "margin", "residence", "rate_limit", "backoff", "pin", "unmovable",
+                                  "threshold", "watermark", "placed"])
+def test_explain_names_the_rule_that_kept_the_block(rule):
+    """Every 'stay' names the rule from the plan's own record (issue 13 item 11)."""
+    t = _full_dram()
+    kw = {}
+    row = 4
+    if rule == "quota":
+        t.tenant[:] = 1
+        kw = dict(tenant_dram_quota={1: 4 * BS})
+    elif rule == "margin":
+        t.temp[4] = 5.5  # hotter than the residents, but not by the margin
+    elif rule == "residence":
+        t.last_move[4] = 99.0
+        kw = dict(min_residence_s=5.0)
+    elif rule == "rate_limit":
+        t.nbytes[:] = BS
+        kw = dict(promote_mbps=1.0, burst_s=1.0)  # 1 MiB of tokens, a block is 2 MiB
+        st = PolicyState(promote_tokens=0.0, demote_tokens=0.0, last_now=100.0)
+    elif rule == "backoff":
+        t.retry_at[4] = 130.0
+    elif rule == "pin":
+        t.flags[4] |= F_MANUAL_PIN
+    elif rule == "unmovable":
+        t.flags[4] |= F_UNMOVABLE
+    elif rule == "threshold":
+        t.temp[4] = 1.0
+    elif rule == "watermark":
+        row = 0
+        t.temp[:4] = 0.0  # cold residents, DRAM at low watermark 1.0 after nothing to do
+        kw = dict(low_wm=1.0, high_wm=1.0)
+        t.temp[4] = 0.0
+    elif rule == "placed":
+        row = 0
+        t.temp[4] = 1.0
+    state = st if rule == "rate_limit" else PolicyState()
+    c = cfg(**kw)
+    p, _ = plan(t.snapshot(), tiers(4), c, state, 100.0)
+    assert row not in p.rows.tolist()
+    s = explain(t.snapshot(), row, tiers(4), c, state, 100.0)
+    assert f"plan: stay ({rule})" in s, s
+
+
+def test_explain_of_a_move_names_its_rule():
+    t = _full_dram(temp_res=0.0)
+    s = explain(t.snapshot(), 4, tiers(4), cfg(), PolicyState(), 100.0)
+    assert "plan: move tier 1 -> 0 (promote)" in s
+    s = explain(t.snapshot(), 0, tiers(4), cfg(), PolicyState(), 100.0)
+    assert "plan: move tier 0 -> 1 (evict)" in s or "(cold)" in s

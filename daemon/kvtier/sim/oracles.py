@@ -69,6 +69,7 @@ def _key(nu: np.ndarray, nc: np.ndarray) -> np.ndarray:
 class FeasibleOracle(SimPolicy):
     name = "feasible-oracle"
     needs_future = True
+    LOOKAHEAD_S = 10.0  # how far ahead it makes room for allocations
 
     def attach(self, eng):
         super().attach(eng)
@@ -88,51 +89,57 @@ class FeasibleOracle(SimPolicy):
         self.key[rows] = NEVER
 
     def decide(self, now):
+        """Moves for the next tick, in the order the migrator should spend its time:
+
+        1. room for the next tick's allocations (they land in DRAM only if it
+           has room), evicting the residents read farthest in the future;
+        2. promotions of slower blocks read soon, into room beyond what the
+           coming allocations need, else in exchange for a resident read later;
+        3. more room, for the allocations of the next ``LOOKAHEAD_S``, evicting
+           only residents read after those allocations arrive.
+        The migrator stops where its time runs out, so 3 goes first."""
         eng = self.eng
         k = eng.k
-        nxt = eng.future[k + 1] if k + 1 < len(eng.future) else None
+        fut = eng.future
         empty = np.zeros(0, np.int64), np.zeros(0, np.int8)
         c = int(eng.cap_blocks[0])
-        occ0 = int(eng.occ[0])
-        # the next tick's evictions free DRAM before its allocations land there
-        if nxt is not None:
-            gone = nxt.evict[eng.tier[nxt.evict] == 0] if nxt.evict.size else nxt.evict
-            alloc_n = int(nxt.alloc.size)
-            alloc_key = float(_key(self.nu_a[k + 1], self.nc_a[k + 1]).max()) if alloc_n else NEVER
-        else:
-            gone, alloc_n, alloc_key = np.zeros(0, np.int64), 0, NEVER
-        spare = c - occ0 + int(gone.size) - alloc_n
+        horizon = max(1, int(round(self.LOOKAHEAD_S / eng.tick_s)))
+        coming = fut[k + 1 : k + 1 + horizon]
+        alloc1 = int(coming[0].alloc.size) if coming else 0
+        allocw = sum(int(t.alloc.size) for t in coming)
+        # the next ticks' evictions free DRAM before their allocations land
+        gone = np.concatenate([t.evict for t in coming]) if coming else np.zeros(0, np.int64)
+        gone = gone[eng.tier[gone] == 0] if gone.size else gone
+        free = c - int(eng.occ[0]) + int(gone.size)
         budget = int(eng.tick_s * 1e9 // float(eng.mig_ns[eng.mig_ns > 0].min())) + 1
         key = self.key
         res = np.flatnonzero(eng.tier == 0)
         if gone.size:
-            res = np.setdiff1d(res, gone, assume_unique=True)
+            res = np.setdiff1d(res, gone)
         slow = np.flatnonzero(eng.alive & (eng.tier > 0))
-        cand = slow[key[slow] < NEVER]
+        cand = slow[key[slow] < k + 1 + horizon]  # read within the horizon
         cand = _best(cand, key[cand], budget, ascending=True)
-        victims = _best(res, key[res], budget + max(0, -spare), ascending=False)
+        victims = _best(res, key[res], 2 * budget + max(0, allocw - free), ascending=False)
         vk = key[victims]
-        # 1. room for the next tick's allocations: evict what is read later than they are
-        vi = 0
-        if spare < 0:
-            vi = int(min(-spare, np.count_nonzero(vk > alloc_key)))
-            spare += vi
-        down = [victims[:vi]]
-        # 2. promote into free room, then exchange while the candidate is read sooner
-        f = min(max(spare, 0), cand.size)
-        up = [cand[:f]]
-        rest, vrest = cand[f:], victims[vi:]
+        # 1. the next tick's allocations (read in that tick: key < k + 2)
+        n1 = int(min(max(0, alloc1 - free), np.count_nonzero(vk >= k + 2)))
+        free += n1
+        # 2. promotions: free room beyond the coming allocations, then exchanges
+        f = int(min(max(0, free - allocw), cand.size))
+        rest, vrest = cand[f:], victims[n1:]
         m = min(rest.size, vrest.size)
         better = key[rest[:m]] < key[vrest[:m]]
         npair = m if better.all() else int(np.argmin(better))
-        pairs_dn, pairs_up = vrest[:npair], rest[:npair]
-        rows = np.concatenate(down + up + [np.column_stack([pairs_dn, pairs_up]).ravel()])
+        # 3. room for the allocations of the horizon, evicting what is read after it
+        v3 = victims[n1 + npair :]
+        n3 = int(min(max(0, allocw - (free - f)), np.count_nonzero(key[v3] >= k + 1 + horizon)))
+        parts = [victims[:n1], cand[:f], np.column_stack([vrest[:npair], rest[:npair]]).ravel(), v3[:n3]]
+        rows = np.concatenate(parts)
         if rows.size == 0:
             return empty
+        is_down = np.concatenate([np.ones(n1, bool), np.zeros(f, bool),
+                                  np.tile(np.array([True, False]), npair), np.ones(n3, bool)])
         dst = np.zeros(rows.size, np.int8)
-        is_down = np.concatenate([
-            np.ones(vi, bool), np.zeros(f, bool), np.tile(np.array([True, False]), npair)
-        ])
         dst[is_down] = eng.demote_target(rows[is_down])
         return rows, dst
 
