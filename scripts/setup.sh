@@ -58,7 +58,13 @@ fi
 stamp=.venv/.kvtier-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ ffi/build_ffi.py -nt "$stamp" ]; then
   .venv/bin/pip install -q --upgrade pip
-  .venv/bin/pip install -q -e ".[test,plot]"
+  # The transformers integration's tests need torch and transformers, pinned.
+  # torch==2.13.0 resolves to the CPU wheel this machine image keeps in pip's
+  # find-links (its local version 2.13.0+cpu sorts above PyPI's CUDA build);
+  # the check below refuses a CUDA build instead of carrying gigabytes of
+  # nvidia libraries into the venv unnoticed.
+  .venv/bin/pip install -q -e ".[test,plot,transformers]" "torch==2.13.0" "transformers==5.18.0"
+  .venv/bin/python -c 'import sys, torch; sys.exit(f"torch {torch.__version__} is a CUDA build; install the CPU wheel" if torch.version.cuda else 0)'
   touch "$stamp"
 fi
 

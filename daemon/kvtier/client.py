@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import errno as _errno
+import mmap
 import os
 import socket
 import time
@@ -77,6 +78,47 @@ def buffer_address(obj: Any) -> tuple[int, int]:
         mv.release()
 
 
+HUGE_PAGE = 2 << 20  # x86-64 PMD size: THP can back a 2 MiB-aligned pool
+
+
+class PoolMemory:
+    """Anonymous memory mapped for ``Client.allocate``: page aligned, 2 MiB
+    aligned from 2 MiB up (the mapping is made that much larger and the
+    unused head and tail are never touched, so they cost address space, not
+    memory). ``buffer`` is a writable memoryview of exactly ``length`` bytes."""
+
+    def __init__(self, length: int):
+        align = HUGE_PAGE if length >= HUGE_PAGE else mmap.PAGESIZE
+        # Private, not Python's default MAP_SHARED: shared anonymous memory
+        # swaps through shmem, where pagemap cannot tell swapped from never
+        # touched, and THP serves it only if shmem_enabled allows.
+        self._map = mmap.mmap(-1, length + (align if align > mmap.PAGESIZE else 0),
+                              flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        base, _ = buffer_address(self._map)
+        self.offset = (-base) % align
+        self.addr = base + self.offset
+        self.length = length
+        self.buffer = memoryview(self._map)[self.offset : self.offset + length]
+
+    def bind(self, node: int, strict: bool) -> None:
+        """mbind before the first touch: MPOL_BIND for a pool that will be
+        pinned (it must be where the daemon counted it), MPOL_PREFERRED
+        otherwise (the daemon moves it later anyway; a full node then falls
+        back instead of failing the fault)."""
+        from kvtier.kernel import native  # the cffi extension; register() does not need it
+
+        native.mbind(self.addr, self.length, native.MPOL_BIND if strict else native.MPOL_PREFERRED, [node])
+
+    def populate(self) -> None:
+        """Fault every page in now (one strided write), so the pool sits on
+        its node before the engine pins or reads it."""
+        np.frombuffer(self.buffer, dtype=np.uint8)[:: mmap.PAGESIZE] = 0
+
+    def numpy(self, dtype: Any = np.uint8, shape: Any = None) -> np.ndarray:
+        arr = np.frombuffer(self.buffer, dtype=dtype)
+        return arr if shape is None else arr.reshape(shape)
+
+
 class Region:
     """A registered region; a context manager that unregisters on exit."""
 
@@ -93,6 +135,20 @@ class Region:
         self._pending = 0
         self._first_pending = 0.0
         self.closed = False
+        self.memory: PoolMemory | None = None  # set by Client.allocate
+        self.placement: dict = {k: info[k] for k in ("tier", "tier_name", "node", "reason", "pinned") if k in info}
+
+    @property
+    def buffer(self) -> memoryview:
+        """The pool of an allocated region (``torch.frombuffer(region.buffer, dtype=...)``)."""
+        if self.memory is None:
+            raise ValueError("only regions made by Client.allocate own their memory")
+        return self.memory.buffer
+
+    def numpy(self, dtype: Any = np.uint8, shape: Any = None) -> np.ndarray:
+        if self.memory is None:
+            raise ValueError("only regions made by Client.allocate own their memory")
+        return self.memory.numpy(dtype, shape)
 
     def __repr__(self) -> str:
         return f"<kvtier Region {self.id} 0x{self.start:x}+{self.length} blocks={self.nblocks}>"
@@ -364,6 +420,48 @@ class Client:
         ))
         region = Region(self, info, addr, length, keep)
         self._regions[region.id] = region
+        return region
+
+    def allocate(
+        self,
+        nbytes: int,
+        block_size: int,
+        *,
+        tier: str | int = "auto",
+        name: str = "",
+        tenant: str = "",
+        priority: int = 0,
+        constraints: Iterable[str] = (),
+        pinned: bool = False,
+        populate: bool = True,
+    ) -> Region:
+        """Map ``nbytes`` of memory placed where the daemon chooses, registered.
+
+        The daemon picks the tier and node (``tier="auto"``: the fastest tier
+        with room within the tenant's quota; among several nodes the one
+        nearest this process's CPUs) and this call mbinds the mapping there
+        before anything touches it, then faults it in (``populate``).
+        ``pinned=True`` says the engine will pin the pages (CUDA host
+        registration, RDMA, io_uring fixed buffers): the daemon never moves
+        them, counts them, and refuses nodes whose memory is ZONE_MOVABLE.
+        The region's ``buffer`` / ``numpy()`` expose the memory; it stays
+        mapped as long as the region or any view of it is alive.
+        """
+        mem = PoolMemory(int(nbytes))
+        info = self.call(protocol.Allocate(
+            start=mem.addr, length=mem.length, block_size=block_size, name=name, tenant=tenant,
+            priority=priority, constraints=list(constraints), tier=str(tier), pinned=pinned,
+        ))
+        region = Region(self, info, mem.addr, mem.length, mem)
+        region.memory = mem
+        self._regions[region.id] = region
+        try:
+            mem.bind(info["node"], strict=pinned)
+            if populate:
+                mem.populate()
+        except BaseException:
+            region.unregister()
+            raise
         return region
 
     def flush(self) -> list[KvtierClientError]:

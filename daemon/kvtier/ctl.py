@@ -147,10 +147,12 @@ def cmd_regions(c: Client, a) -> tuple[Any, str]:
         by = ", ".join(f"{tier_label(names, int(t))}:{n}" for t, n in sorted(x["blocks_by_tier"].items()))
         # "client" registered it itself; "watch:RULE" adopted it (zero-integration mode).
         origin = f"watch:{x['adopted_by']}" if x.get("adopted_by") else "client"
+        plc = x.get("placement")
+        placed = (f"{plc['tier_name']}/node{plc['node']}" if plc else "-") + (" pinned" if x.get("pinned") else "")
         rows.append((x["id"], x["pid"], x["name"] or "-", x["tenant"] or "-", x["priority"], human(x["length"]),
-                     human(x["block_size"]), x["nblocks"], by, ",".join(x["constraints"]) or "-", origin))
+                     human(x["block_size"]), x["nblocks"], by, ",".join(x["constraints"]) or "-", origin, placed))
     return r, table(("ID", "PID", "NAME", "TENANT", "PRIO", "SIZE", "BLOCK", "BLOCKS", "TIERS", "CONSTRAINTS",
-                     "ORIGIN"), rows)
+                     "ORIGIN", "PLACED"), rows)
 
 
 def cmd_blocks(c: Client, a) -> tuple[Any, str]:

@@ -40,7 +40,7 @@ DEFAULT_SOCKET = "/run/kvtierd/kvtierd.sock"
 
 CAPABILITIES = (
     "register", "hint", "phase", "query", "stats", "pidfd-lifetime", "persist",
-    "status", "tiers", "regions", "blocks", "migrate", "pin", "explain",
+    "status", "tiers", "regions", "blocks", "migrate", "pin", "explain", "allocate",
 )
 
 # Wire dtypes of packed arrays (explicit little-endian: the wire format does
@@ -65,6 +65,8 @@ Name = Annotated[str, Meta(max_length=128)]
 TenantName = Annotated[str, Meta(max_length=64)]
 Constraint = Literal["keep_dram", "never_swap"]
 PhaseName = Literal["prefill_done", "active", "free"]
+# "auto", a tier name or a tier index (as a string): where allocate places memory.
+TierSpec = Annotated[str, Meta(min_length=1, max_length=64)]
 # Packed arrays: the msgpack bin's own length is bounded by the frame limit.
 Packed = bytes
 
@@ -80,7 +82,9 @@ class Hello(Request, tag="hello"):
     client: Annotated[str, Meta(max_length=128)] = ""
 
 
-class Register(Request, tag="register"):
+class _Range(Request):
+    """What register and allocate both describe: a range cut into blocks."""
+
     start: U64
     length: Pos64
     block_size: Pos64
@@ -88,9 +92,23 @@ class Register(Request, tag="register"):
     tenant: TenantName = ""
     priority: Priority = 0
     constraints: Annotated[list[Constraint], Meta(max_length=8)] = []
+
+
+class Register(_Range, tag="register"):
     # Register memory of another process: one of the caller's own uid, or
     # any if the caller is root / admin_group.
     pid: Pid | None = None
+
+
+class Allocate(_Range, tag="allocate"):
+    """Register memory the caller has mapped but not touched yet, and learn
+    the NUMA node to bind it to before its first touch (the daemon cannot
+    mbind another process's memory; the client library applies it)."""
+
+    tier: TierSpec = "auto"
+    # The engine will pin the pages (CUDA host registration, RDMA, io_uring
+    # fixed buffers): never moved, counted, never placed on ZONE_MOVABLE.
+    pinned: bool = False
 
 
 class Unregister(Request, tag="unregister"):
@@ -164,7 +182,7 @@ class Ages(Request, tag="ages"):
 
 
 AnyRequest = Union[
-    Hello, Register, Unregister, Hint, Phase, Query, Stats, Status, Tiers, Regions,
+    Hello, Register, Allocate, Unregister, Hint, Phase, Query, Stats, Status, Tiers, Regions,
     Blocks, Migrate, Pin, Unpin, Explain, Ages,
 ]
 REQUEST_TYPES: tuple[type[Request], ...] = AnyRequest.__args__  # type: ignore[attr-defined]

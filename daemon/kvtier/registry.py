@@ -27,6 +27,7 @@ from kvtier.blocks import (
     F_KEEP_DRAM,
     F_MANUAL_PIN,
     F_NEVER_SWAP,
+    F_UNMOVABLE,
     BlockTable,
 )
 from kvtier.hotness import SOURCE_WEIGHTS, Temperature, apply_phase
@@ -89,6 +90,10 @@ class Region:
     registered_at: float = field(default_factory=time.time)
     block_hints: int = 0
     adopted_by: str = ""  # [[watch]] rule that adopted it (kvtier.watch); "" = a client registered it
+    # Placed by allocate: {"tier", "tier_name", "node", "reason"}; None for register.
+    placement: dict | None = None
+    # The engine pins the pages: never planned (F_UNMOVABLE), still counted.
+    pinned: bool = False
 
     @property
     def end(self) -> int:
@@ -161,6 +166,8 @@ class Registry:
         start_time: int | None = None,
         region_id: int | None = None,
         adopted_by: str = "",
+        placement: dict | None = None,
+        pinned: bool = False,
     ) -> Region:
         """Validate and add a region. ``start_time`` (re-adoption) must match
         the live process's; ``region_id`` keeps the id a client already holds."""
@@ -214,6 +221,8 @@ class Registry:
         flags = 0
         for c in constraints:
             flags |= CONSTRAINT_FLAGS[c]
+        if pinned:
+            flags |= F_UNMOVABLE
         tid = self.tenant_id(tenant)
         self.table.add_region(
             region_id, pid, start, length, block_size, flags=flags, priority=priority, tenant=tid
@@ -222,6 +231,7 @@ class Registry:
             id=region_id, pid=pid, start_time=live_start, start=start, length=length,
             block_size=block_size, nblocks=nblocks, name=name, tenant=tenant, tenant_id=tid,
             priority=priority, constraints=tuple(constraints), owner_uid=owner_uid, adopted_by=adopted_by,
+            placement=dict(placement) if placement else None, pinned=bool(pinned),
         )
         self.regions[region_id] = reg
         self.by_pid.setdefault(pid, set()).add(region_id)
@@ -333,7 +343,7 @@ class Registry:
     # -- persistence -----------------------------------------------------
 
     STATE_KEYS = ("id", "pid", "start_time", "start", "length", "block_size", "name",
-                  "tenant", "priority", "constraints", "owner_uid", "registered_at")
+                  "tenant", "priority", "constraints", "owner_uid", "registered_at", "placement", "pinned")
 
     def to_state(self) -> list[dict]:
         out = []
@@ -364,6 +374,8 @@ class Registry:
                     constraints=tuple(c for c in e.get("constraints", ()) if c in CONSTRAINT_FLAGS),
                     owner_uid=int(e.get("owner_uid", 0)), start_time=int(e["start_time"]),
                     region_id=int(e["id"]),
+                    placement=e.get("placement") if isinstance(e.get("placement"), dict) else None,
+                    pinned=bool(e.get("pinned", False)),
                 )
                 reg.registered_at = float(e.get("registered_at", reg.registered_at))
                 adopted += 1

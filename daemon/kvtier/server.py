@@ -31,9 +31,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvtier import ages, logs, protocol
+from kvtier import ages, logs, placement, protocol
+from kvtier.blocks import TIER_UNKNOWN
 
-from kvtier.kernel import native, procfs
+from kvtier.kernel import affinity, native, procfs
 from kvtier.errors import KvtierError, KvtierOSError, PermissionDenied, ProcessGone, os_error
 from kvtier.engine import Engine
 from kvtier.registry import Region, Registry
@@ -273,6 +274,65 @@ class ControlAPI:
         )
         return {"region": reg.id, "blocks": reg.nblocks, "block_size": reg.block_size, "pid": pid}
 
+    def op_allocate(self, peer: Peer, req: protocol.Allocate) -> dict:
+        """Choose the node for memory the caller mapped and has not touched,
+        and register it; the client mbinds it there before the first touch."""
+        want = None if req.tier == "auto" else self._tier_index(req.tier)
+        tid = self.registry.tenant_id(req.tenant)
+        where = placement.choose(req.length, self._tier_rooms(peer.pid, tid), want, req.pinned)
+        plc = {"tier": where.tier, "tier_name": where.tier_name, "node": where.node, "reason": where.reason}
+        reg = self.registry.add(
+            peer.pid, req.start, req.length, req.block_size, name=req.name, tenant=req.tenant,
+            priority=req.priority, constraints=tuple(dict.fromkeys(req.constraints)),
+            owner_uid=peer.uid, placement=plc, pinned=req.pinned,
+        )
+        logs.event(log, "region_allocated", region=reg.id, pid=peer.pid, tier=where.tier_name,
+                   node=where.node, pinned=req.pinned, reason=where.reason)
+        return {"region": reg.id, "blocks": reg.nblocks, "block_size": reg.block_size, "pid": peer.pid,
+                "pinned": req.pinned, **plc}
+
+    def _tier_index(self, spec: str) -> int:
+        names = self.engine.tier_names()
+        if spec in names:
+            return names.index(spec)
+        if spec.isdigit() and int(spec) < len(names):
+            return int(spec)
+        raise protocol.ProtocolError(protocol.E_INVALID_ARGUMENT, f"no tier {spec!r} (tiers: {', '.join(names) or 'none'})")
+
+    def _tier_rooms(self, pid: int, tenant_id: int) -> list[placement.TierRoom]:
+        """Room per tier for a new pool of ``pid``: measured usage plus what
+        allocate placed but the daemon has not measured yet (so two quick
+        allocations cannot both take the last room), nodes by distance from
+        the caller's CPUs."""
+        eng, table = self.engine, self.registry.table
+        topo, cfg = eng.topology, eng.policy_cfg
+        states = eng.tier_states()
+        ntiers = len(states)
+        reserved = np.zeros(ntiers)
+        tenant0 = float(table.nbytes[(table.tenant == tenant_id) & (table.tier == 0)].sum())
+        for r in self.registry.regions.values():
+            if r.placement is None or not 0 <= r.placement["tier"] < ntiers:
+                continue
+            unmeasured = table.region_view(r.id, "tier") == TIER_UNKNOWN
+            nb = float(table.region_view(r.id, "nbytes")[unmeasured].sum())
+            reserved[r.placement["tier"]] += nb
+            if r.placement["tier"] == 0 and r.tenant_id == tenant_id:
+                tenant0 += nb
+        quota = cfg.tenant_dram_quota.get(tenant_id)
+        cpus = set(affinity.caller_cpus(pid, topo.proc_root))
+        home = [n for n in topo.nodes.values() if cpus & set(n.cpus)]
+        movable = affinity.movable_only_nodes(topo.sys_root)
+        nodes = {}
+        for n in topo.nodes.values():
+            dists = [h.distances[n.node] for h in home if n.node in h.distances]
+            nodes[n.node] = (int(n.free), n.node in movable, min(dists) if dists else None,
+                             n.perf.read_latency_ns if n.perf else None)
+        return placement.rooms(
+            states, [cfg.target_bytes(t) for t in states], cfg.high_wm, reserved, nodes,
+            {t.index: t.nodes for t in topo.tiers if t.kind != "swap"},
+            np.inf if quota is None else float(quota) - tenant0,
+        )
+
     def op_unregister(self, peer: Peer, req: protocol.Unregister) -> dict:
         self._own(peer, req.region)
         reg = self.registry.remove(req.region)
@@ -371,7 +431,10 @@ class ControlAPI:
         }
 
     def op_migrate(self, peer: Peer, req: protocol.Migrate) -> dict:
-        self._own(peer, req.region)
+        reg = self._own(peer, req.region)
+        if reg.pinned:
+            raise protocol.ProtocolError(protocol.E_INVALID_ARGUMENT,
+                                  f"region {reg.id} is pinned by its engine: its pages cannot move")
         rows = self.registry.rows(req.region, protocol.unpack(req.blocks, protocol.BLOCKS_DTYPE, "blocks"))
         return {"queued": self.engine.request_move(rows, req.tier)}
 

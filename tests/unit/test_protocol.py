@@ -79,8 +79,8 @@ def test_every_op_round_trips(op, fields):
 
 
 def test_ops_table_is_complete():
-    assert set(protocol.OPS) == {"hello", "register", "unregister", "hint", "phase", "query", "stats", "status",
-                          "tiers", "regions", "blocks", "migrate", "pin", "unpin", "explain", "ages"}
+    assert set(protocol.OPS) == {"hello", "register", "allocate", "unregister", "hint", "phase", "query", "stats",
+                                 "status", "tiers", "regions", "blocks", "migrate", "pin", "unpin", "explain", "ages"}
 
 
 @pytest.mark.parametrize("doc, where", [
@@ -91,6 +91,8 @@ def test_ops_table_is_complete():
      "$.constraints[0]"),
     ({"op": "register", "id": 3, "start": 0, "length": 1, "block_size": 4096, "name": "x" * 129}, "$.name"),
     ({"op": "register", "id": 3, "length": 1, "block_size": 4096}, "start"),
+    ({"op": "allocate", "id": 3, "start": 0, "length": 1, "block_size": 4096, "tier": ""}, "$.tier"),
+    ({"op": "allocate", "id": 3, "start": 0, "length": 1, "block_size": 4096, "pinned": 1}, "$.pinned"),
     ({"op": "unregister", "id": 3, "region": 0}, "$.region"),
     ({"op": "hint", "id": 3, "region": 1, "blocks": [1, 2]}, "$.blocks"),
     ({"op": "phase", "id": 3, "region": 1, "phase": "decode"}, "$.phase"),

@@ -1,0 +1,159 @@
+"""A real transformers model decoding from a kvtier cache while the real
+kvtierd moves the cache's blocks to swap and back.
+
+A tiny random Llama (config only: nothing is downloaded; fixed seed; an init
+range wide enough that greedy decoding does not settle on one token)
+generates the same tokens with ``KvtierCache`` as with transformers' own
+cache, while the daemon pages the KV blocks out (process_madvise
+MADV_PAGEOUT) and back in, and the kernel's /proc/self/pagemap shows the
+pages really left memory and came back.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import waiting  # noqa: E402
+from transformers.generation.streamers import BaseStreamer  # noqa: E402
+from test_daemon import DaemonProc, workdir  # noqa: E402,F401  (fixture)
+
+from kvtier.integrations.transformers import KvtierCache, tokens_per_block  # noqa: E402
+
+pytestmark = pytest.mark.root
+
+PROMPT, NEW = 16, 120
+PAGE = os.sysconf("SC_PAGE_SIZE")
+PM_SWAP, PM_PRESENT = 1 << 62, 1 << 63
+wait_for = functools.partial(waiting.wait_for, timeout=30.0, interval=0.01)
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+                      initializer_range=0.3)
+    model = LlamaForCausalLM(cfg).eval()
+    prompt = torch.randint(0, cfg.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(1))
+    return model, prompt
+
+
+def generate(model, prompt, **kw):
+    with torch.no_grad():
+        return model.generate(prompt, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, **kw)[0, PROMPT:]
+
+
+def pagemap(start: int, length: int) -> np.ndarray:
+    with open("/proc/self/pagemap", "rb") as f:
+        raw = os.pread(f.fileno(), 8 * (length // PAGE), (start // PAGE) * 8)
+    return np.frombuffer(raw, dtype="<u8")
+
+
+def block_pages(cache: KvtierCache, blocks: np.ndarray) -> np.ndarray:
+    """pagemap entries of the given region blocks, one row per block."""
+    r = cache.region
+    pm = pagemap(r.start, r.length).reshape(r.nblocks, r.block_size // PAGE)
+    return pm[blocks]
+
+
+class OnToken(BaseStreamer):
+    """Calls ``actions[n]`` once n new tokens exist (generate is paused meanwhile)."""
+
+    def __init__(self, actions):
+        self.actions = dict(actions)
+        self.seen = -PROMPT  # the first put() is the prompt
+
+    def put(self, value):
+        self.seen += int(value.numel()) if self.seen < 0 else 1
+        act = self.actions.pop(self.seen, None)
+        if act is not None:
+            act()
+
+    def end(self):
+        pass
+
+
+def test_pool_layout_is_whole_pages():
+    # 4 heads x (64 + 64) x fp32 = 2 KiB per token: 2 tokens per page.
+    assert tokens_per_block(2048, 16) == 16
+    assert tokens_per_block(2048, 1) == 2
+    # 3000 bytes per token (gcd with 4096 is 8): only multiples of 512 tokens fill whole pages.
+    assert tokens_per_block(3000, 16) == 512
+    assert (tokens_per_block(3000, 16) * 3000) % 4096 == 0
+
+
+def test_generate_with_kvtier_cache_while_blocks_go_to_swap_and_back(swapfile, workdir):
+    torch.set_num_threads(1)
+    model, prompt = tiny_llama()
+    reference = generate(model, prompt)
+    assert len(set(reference.tolist())) > NEW // 4, "greedy decoding repeats itself: widen initializer_range"
+
+    d = DaemonProc(workdir).start()  # swap is on before start: the daemon has a swap tier
+    try:
+        with d.client() as c:
+            tiers = c.request("tiers")["tiers"]
+            swap = next(t["index"] for t in tiers if t["kind"] == "swap")
+            cache = KvtierCache(model.config, max_cache_len=PROMPT + NEW, client=c, name="tiny-llama")
+            seen = {}
+
+            def tiers_of(blocks):
+                return cache.region.query()[blocks]
+
+            def out_and_back():
+                # Every block holding tokens now, in every layer.
+                live = cache.live_blocks()
+                seen["out"] = live
+                c.flush()
+                assert c.request("migrate", region=cache.region.id, tier=swap,
+                                 blocks=live.astype("<u4").tobytes())["queued"] == live.size
+                wait_for(lambda: (tiers_of(live) == swap).all(), "daemon reports the blocks in swap")
+                pm = block_pages(cache, live)
+                # The kernel agrees: the pages are swap entries, not in memory.
+                assert not (pm & PM_PRESENT).any() and (pm & PM_SWAP).all(), "pages not swapped out"
+                c.request("migrate", region=cache.region.id, tier=0, blocks=live.astype("<u4").tobytes())
+                wait_for(lambda: (tiers_of(live) == 0).all(), "daemon reports the blocks back in DRAM")
+                pm = block_pages(cache, live)
+                assert (pm & PM_PRESENT).all() and not (pm & PM_SWAP).any(), "pages not back in memory"
+
+            def out_and_read():
+                # Out again, and this time decoding itself faults them back in.
+                live = cache.live_blocks()
+                seen["read"] = live
+                c.request("migrate", region=cache.region.id, tier=swap, blocks=live.astype("<u4").tobytes())
+                wait_for(lambda: (tiers_of(live) == swap).all(), "blocks in swap before reading on")
+                assert (block_pages(cache, live) & PM_SWAP).all()
+
+            got = generate(model, prompt, past_key_values=cache,
+                           streamer=OnToken({40: out_and_back, 80: out_and_read}))
+            assert "out" in seen and "read" in seen, "the streamer never reached its moves"
+            assert got.tolist() == reference.tolist()
+            # The blocks read after the second page-out are resident again.
+            assert (block_pages(cache, seen["read"]) & PM_PRESENT).all()
+
+            c.flush()
+            st = c.stats()
+            moved_out = st["migrations"].get(f"0:{swap}", 0)
+            moved_in = st["migrations"].get(f"{swap}:0", 0)
+            assert moved_out >= seen["out"].size + seen["read"].size
+            assert moved_in >= seen["out"].size
+            assert st["migrated_bytes"][f"0:{swap}"] >= moved_out * cache.region.block_size
+            # Every step hinted exactly the blocks attention read: per layer,
+            # ceil(length / tokens per block) blocks at each of its lengths.
+            n = cache.tokens_per_block
+            lengths = np.r_[PROMPT, PROMPT + np.arange(1, NEW)]
+            expect = int(np.sum(-(-lengths // n))) * len(cache.layers)
+            region = next(r for r in c.request("regions")["regions"] if r["id"] == cache.region.id)
+            assert region["block_hints"] == expect
+            assert region["placement"]["tier_name"] == tiers[0]["name"]
+            cache.close()
+    finally:
+        assert d.stop() == 0
+    assert "Traceback" not in d.read_log(), d.read_log()
