@@ -32,6 +32,7 @@ from kvtier import hotness, logs, state
 from kvtier import watch as watch_mod
 from kvtier import metrics as metrics_mod
 from kvtier.kernel import sources as sources_mod
+from kvtier.kernel import uevents
 from kvtier import policy as pol
 from kvtier.kernel import topology as topo_mod
 from kvtier.blocks import BlockTable
@@ -114,6 +115,9 @@ class Daemon:
             policy_config(cfg, self.registry.tenant_id), self.stats, loop,
             residency_interval=d.residency_interval, sources=self.sources, availability=self.availability,
         )
+        self.hotplug = uevents.TopologyFollower(self.engine, self.stats, lambda: topo_mod.discover(
+            d.sys_root, d.proc_root, topology_overrides(self.cfg), hotplug=True))
+        self.uevents = uevents.UeventListener(loop, self.hotplug.on_burst)
         self.metrics = self._exporter(metrics_mod.MetricsConfig(**cfg.table("metrics")))
         self.watch = watch_mod.Watcher(watch_mod.parse_rules(cfg.watch), self.registry, PsutilScanner(d.proc_root))
         self.watch_schedule = watch_mod.Schedule(self.watch, loop, d.watch_interval)
@@ -225,10 +229,9 @@ class Daemon:
             try:
                 t = topo_mod.discover(self.cfg.daemon.sys_root, self.cfg.daemon.proc_root,
                                       topology_overrides(new))
-                if self.engine.future is None:
-                    self.topology = self.engine.topology = t
-                else:
-                    log.warning("topology change deferred: a migration is running; send SIGHUP again")
+                # Renumbers the blocks' tiers; waits for a running migration.
+                self.engine.set_topology(t, topo_mod.compare(self.engine.latest_topology(), t).index_map)
+                self.topology = t
             except (KvtierError, OSError) as e:
                 log.error("topology rediscovery failed, keeping the old one: %s", e)
         self.registry.limits = limits_of(new)
@@ -275,6 +278,7 @@ class Daemon:
         gc.freeze()
         await self.server.start()
         self.watch_schedule.start()
+        await self.uevents.start()
         if self.metrics is not None:
             try:
                 self.metrics.start()
@@ -295,6 +299,7 @@ class Daemon:
             now = time.monotonic()
             if now >= next_tick:
                 self.engine.tick()
+                self.hotplug.poll()
                 # Fixed-rate ticks; after a stall, resume from now instead of bursting.
                 next_tick = max(next_tick + self.cfg.daemon.tick_interval, time.monotonic())
                 if now - last_status >= 5.0:
@@ -317,6 +322,7 @@ class Daemon:
         log.info("stopping")
         await self.server.close()
         self.watch_schedule.close()
+        self.uevents.close()
         # The running job finishes (a move_pages batch cannot be interrupted
         # safely anyway); its results are applied before the final state write.
         await asyncio.get_running_loop().run_in_executor(None, self.engine.wait_idle, 60.0)

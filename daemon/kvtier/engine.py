@@ -112,6 +112,7 @@ class Engine:
         self.availability = dict(availability or {})
         self.sources = [s for s in sources if self.availability.get(s.name)]
         self._targets_gen = -1
+        self._pending_topology: tuple[Any, np.ndarray] | None = None
 
     # -- tiers -----------------------------------------------------------
 
@@ -159,6 +160,35 @@ class Engine:
     def _is_swap(self, tier_idx: int) -> bool:
         return self.topology.tiers[tier_idx].kind == "swap"
 
+    # -- topology changes (memory hot-plug, config reload) ----------------
+
+    def latest_topology(self) -> Any:
+        return self._pending_topology[0] if self._pending_topology else self.topology
+
+    def set_topology(self, topology: Any, index_map: np.ndarray) -> None:
+        """Switch to a re-discovered topology; ``index_map`` maps each tier
+        index of ``latest_topology()`` to the new one (-1: gone). Applied
+        between migration jobs: a running job's tier numbers are the old ones."""
+        if self._pending_topology is not None:
+            first = self._pending_topology[1]
+            index_map = np.where(first >= 0, index_map[np.maximum(first, 0)], first).astype(np.int8)
+        self._pending_topology = (topology, index_map)
+        if self.future is None:
+            self._apply_topology()
+
+    def _apply_topology(self) -> None:
+        topology, index_map = self._pending_topology
+        self._pending_topology = None
+        for name in ("tier", "pin_tier"):
+            col = getattr(self.table, name)
+            known = col >= 0
+            col[known] = index_map[col[known].astype(np.int64)]
+        self.manual = [(r, i, int(index_map[t])) for r, i, t in self.manual if index_map[t] >= 0]
+        self.topology = topology
+        # Memory went offline under some blocks (the kernel moved their
+        # pages) or a tier is new: measure every block where it really is.
+        self.last_full_measure = -np.inf
+
     # -- operator requests -----------------------------------------------
 
     def request_move(self, rows: np.ndarray, tier: int) -> int:
@@ -205,6 +235,8 @@ class Engine:
         self.stats.observe_tick(time.monotonic() - t0)
 
     def _tick(self, now: float) -> None:
+        if self._pending_topology is not None and self.future is None:
+            self._apply_topology()
         self.temperature.decay(self.table, now)
         self.registry.check_alive()
         try:

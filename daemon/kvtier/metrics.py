@@ -95,6 +95,9 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
                                    "Block accesses named in client hints, by the tier the block was in when hinted."),
     "kvtier_tier_hit_ratio": ("gauge", ("tier",),
                               "Fraction of hinted block accesses that found the block in the tier, since start."),
+    "kvtier_topology_events": ("counter", ("event",),
+                               "Tier changes after memory hot-plug: tier_added, tier_removed, rediscovered, "
+                               "rediscover_failed."),
     "kvtier_access_age_bytes": ("gauge", ("tier", "tenant", "age"),
                                 "Bytes of KV blocks by time since their last access (<1s ... >10m; never seen: >10m)."),
     "kvtier_block_temperature": ("gaugehistogram", (), "Blocks by current temperature (decayed access count)."),
@@ -348,6 +351,12 @@ class Collector:
             fam.add_metric(["ok"], ok)
             fam.add_metric(["error"], err)
             yield fam
+        topo = _counter("kvtier_topology_events")
+        events = getattr(s, "topology_events", {})
+        # Every event gets a sample (0 until it happens) so alerts can use increase().
+        for event in ("tier_added", "tier_removed", "rediscovered", "rediscover_failed"):
+            topo.add_metric([event], events.get(event, 0))
+        yield topo
 
     def _server_metrics(self) -> Iterator[Metric]:
         s = self.stats

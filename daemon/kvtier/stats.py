@@ -101,6 +101,8 @@ class DaemonStats:
     migration_seconds_sum: float = 0.0
     migration_seconds_hist: Histogram = field(default_factory=lambda: Histogram(MIGRATION_BUCKETS))
     residency_scans_total: int = 0
+    # tier_added, tier_removed, rediscovered, rediscover_failed (kernel/uevents.TopologyFollower)
+    topology_events: collections.Counter = field(default_factory=collections.Counter)
     config_reloads_total: int = 0
     config_reload_errors_total: int = 0
 

@@ -158,6 +158,13 @@ class Topology:
     proc_root: str
     warnings: list[str] = field(default_factory=list)
     unassigned_nodes: tuple[int, ...] = ()
+    signature: tuple[str | None, ...] = ()  # node lists at discovery (see changed_on_disk)
+
+    def changed_on_disk(self) -> bool:
+        """Did a node come or go, or gain or lose all of its memory, since
+        discovery? Two small sysfs reads: cheap enough for every tick, the
+        fallback when no uevent socket tells (kernel/uevents.py)."""
+        return node_signature(self.sys_root) != self.signature
 
     def tier_for_node(self, node: int) -> Tier:
         """The tier holding ``node``; InvalidArgument if no tier does."""
@@ -672,17 +679,28 @@ def validate_overrides(overrides: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 def _override_groups(
-    spec: list[dict[str, Any]], nodes: Mapping[int, NodeInfo]
+    spec: list[dict[str, Any]], nodes: Mapping[int, NodeInfo], warnings: list[str] | None = None,
+    kept: list[dict[str, Any]] | None = None,
 ) -> list[tuple[str, list[NodeInfo], str, str]]:
+    """``warnings`` given (re-discovery after hot-plug): a configured node
+    that went offline is left out with a warning instead of refusing the
+    config, and a tier left without nodes is dropped (tier 0 never is)."""
     out = []
     for i, t in enumerate(spec):
         members = []
         for n in t["nodes"]:
             info = nodes.get(n)
+            if (info is None or info.kind == KIND_CPU_ONLY) and warnings is not None:
+                warnings.append(f"tiers[{i}] ({t['name']}): node {n} is offline, left out until it returns")
+                continue
             if info is None or info.kind == KIND_CPU_ONLY:
                 have = ", ".join(str(m) for m, x in sorted(nodes.items()) if x.kind != KIND_CPU_ONLY)
                 raise ConfigError(f"tiers[{i}].nodes: node {n} is not an online memory node (have {have})")
             members.append(info)
+        if not members and i > 0:
+            continue
+        if kept is not None:
+            kept.append(t)
         kinds = {m.kind for m in members}
         kind = t.get("kind")
         if kind is None:
@@ -705,12 +723,16 @@ def discover(
     sys_root: str = "/sys",
     proc_root: str = "/proc",
     overrides: Mapping[str, Any] | None = None,
+    *,
+    hotplug: bool = False,
 ) -> Topology:
     """Read the machine's memory tiers below ``sys_root``/``proc_root``.
 
     ``overrides`` follows ``validate_overrides``; ConfigError names the bad
     key. Missing optional kernel features (memory tiers, HMAT, CXL, swap)
-    degrade to warnings in ``Topology.warnings``.
+    degrade to warnings in ``Topology.warnings``. ``hotplug``: a
+    re-discovery after memory went offline, where a configured node that is
+    gone is a warning (its tier shrinks or goes), not a config error.
     """
     ov = validate_overrides(overrides)
     warnings: list[str] = []
@@ -730,9 +752,14 @@ def discover(
     if not any(n.kind == KIND_DRAM for n in nodes.values()):
         warnings.append("no memory node has CPUs: tier 0 is not DRAM")
 
-    topo = Topology([], nodes, [], {}, sys_root, proc_root, warnings)
-    groups = _override_groups(ov["tiers"], nodes) if "tiers" in ov else _group_tiers(nodes)
-    _add_memory_tiers(topo, groups, ov.get("tiers"))
+    topo = Topology([], nodes, [], {}, sys_root, proc_root, warnings, signature=node_signature(sys_root))
+    specs: list[dict[str, Any]] | None = None
+    if "tiers" in ov:
+        specs = []
+        groups = _override_groups(ov["tiers"], nodes, warnings if hotplug else None, specs)
+    else:
+        groups = _group_tiers(nodes)
+    _add_memory_tiers(topo, groups, specs)
 
     real = _is_real_root(sys_root, proc_root)
     meta = {} if real else _fixture_meta(sys_root)
@@ -865,3 +892,63 @@ def format_table(topology: Topology) -> str:
     for w in topology.warnings:
         lines.append(f"warning: {w}")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# re-discovery (memory hot-plug: kernel/uevents.py)
+
+
+def node_signature(sys_root: str) -> tuple[str | None, ...]:
+    """The kernel's online and has_memory node lists, as text: they change
+    when a NUMA node is hot-added or removed or its last memory block goes
+    offline (the node then stays online, without memory)."""
+    base = _node_path(sys_root)
+    return tuple(sysfs.read_text(os.path.join(base, f)) for f in (sysfs.NODE_ONLINE, sysfs.NODE_HAS_MEMORY))
+
+
+@dataclass
+class TopologyChange:
+    """What a re-discovery changed. ``index_map[i]`` is the new index of old
+    tier ``i`` (TIER_UNKNOWN when it is gone): BlockTable.tier and pin_tier
+    are rewritten through it, so a tier inserted before swap does not turn
+    every swapped block into a CXL block."""
+
+    index_map: np.ndarray  # int8, one per old tier
+    added: list[Tier]
+    removed: list[Tier]
+    nodes_added: tuple[int, ...]
+    nodes_removed: tuple[int, ...]
+
+    @property
+    def reshaped(self) -> bool:
+        """Tiers came, went or were renumbered (not just sizes changing)."""
+        return bool(self.added or self.removed) or \
+            not np.array_equal(self.index_map, np.arange(self.index_map.size, dtype=np.int8))
+
+
+def compare(old: Topology, new: Topology) -> TopologyChange:
+    """Match tiers of two discoveries by what they are made of: a memory
+    tier by the nodes it shares (the one sharing most wins; names are
+    generated and a new tier can shift them), swap by being swap."""
+    index_map = np.full(len(old.tiers), TIER_UNKNOWN, dtype=np.int8)
+    matched: set[int] = set()
+    for t in old.tiers:
+        if t.kind == KIND_SWAP:
+            cand = [(1, n.index) for n in new.tiers if n.kind == KIND_SWAP]
+        else:
+            cand = [(len(set(t.nodes) & set(n.nodes)), n.index) for n in new.tiers if n.kind != KIND_SWAP]
+            cand = [c for c in cand if c[0] > 0]
+        cand = [c for c in cand if c[1] not in matched]
+        if cand:
+            best = max(cand)[1]
+            index_map[t.index] = best
+            matched.add(best)
+    old_nodes = {n for t in old.tiers for n in t.nodes}
+    new_nodes = {n for t in new.tiers for n in t.nodes}
+    return TopologyChange(
+        index_map=index_map,
+        added=[t for t in new.tiers if t.index not in matched],
+        removed=[t for t in old.tiers if index_map[t.index] == TIER_UNKNOWN],
+        nodes_added=tuple(sorted(new_nodes - old_nodes)),
+        nodes_removed=tuple(sorted(old_nodes - new_nodes)),
+    )

@@ -1,0 +1,267 @@
+"""Memory hot-plug: topology re-discovery against fixture trees, the uevent
+codec and debounce, and the engine renumbering block tiers.
+
+The trees are copies of the captured QEMU guest (tests/fixtures/qemu-cxl:
+dram node 0, CXL node 2 in memory tier 22, far node 1 in tier 45, NVMe
+swap) edited the way the kernel changes sysfs when the CXL region's memory
+goes offline (node 2 stays online without memory, its memory tier goes) and
+when the node is removed entirely (kmem unbound: node 2 leaves ``online``),
+as seen in the guest (offline of memory34/35, then unbind of dax0.0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pyroute2.netlink.uevent import MarshalUevent
+
+from kvtier import logs
+from kvtier.blocks import TIER_UNKNOWN, BlockTable
+from kvtier.engine import Engine
+from kvtier.hotness import Temperature
+from kvtier.kernel import topology as topo
+from kvtier.kernel import uevents
+from kvtier.kernel.migrator import Migrator
+from kvtier.kernel.procmap import ProcProcesses
+from kvtier.policy import PolicyConfig
+from kvtier.registry import Limits, Registry
+from kvtier.stats import DaemonStats
+
+QEMU = Path(__file__).resolve().parent.parent / "fixtures" / "qemu-cxl"
+NODE = "sys/devices/system/node"
+MIB = 1 << 20
+
+
+@pytest.fixture
+def tree(tmp_path):
+    dest = tmp_path / "qemu"
+    shutil.copytree(QEMU, dest, symlinks=True)
+    return dest
+
+
+def discover(tree: Path) -> topo.Topology:
+    return topo.discover(str(tree / "sys"), str(tree / "proc"), hotplug=True)
+
+
+def offline_memory(tree: Path, node: int = 2) -> None:
+    """All memory blocks of ``node`` offline: no memory, no memory tier."""
+    nd = tree / NODE
+    (nd / "has_memory").write_text("0-1\n")
+    (nd / f"node{node}/meminfo").write_text(
+        f"Node {node} MemTotal:       0 kB\nNode {node} MemFree:        0 kB\nNode {node} MemUsed:        0 kB\n")
+    shutil.rmtree(tree / "sys/devices/virtual/memory_tiering/memory_tier22")
+
+
+def remove_node(tree: Path, node: int = 2) -> None:
+    offline_memory(tree, node)
+    nd = tree / NODE
+    (nd / "online").write_text("0-1\n")
+    shutil.rmtree(nd / f"node{node}")
+    for n in (0, 1):  # one distance per online node
+        d = (nd / f"node{n}/distance").read_text().split()
+        (nd / f"node{n}/distance").write_text(" ".join(d[:2]) + "\n")
+
+
+def names(t: topo.Topology) -> list[str]:
+    return [x.name for x in t.tiers]
+
+
+def test_fixture_shape():
+    t = discover(QEMU)
+    assert names(t) == ["dram", "cxl0", "far0", "swap"]
+    assert [x.nodes for x in t.tiers[:3]] == [(0,), (2,), (1,)]
+
+
+@pytest.mark.parametrize("take_away", [offline_memory, remove_node])
+def test_cxl_going_and_coming_back_renumbers_tiers(tree, take_away):
+    full = discover(tree)
+    take_away(tree)
+    assert full.changed_on_disk()
+    gone = discover(tree)
+    assert names(gone) == ["dram", "far0", "swap"]
+    assert not gone.changed_on_disk()
+
+    down = topo.compare(full, gone)
+    # dram stays 0, cxl0 is gone, far0 and swap move up one.
+    assert down.index_map.tolist() == [0, TIER_UNKNOWN, 1, 2]
+    assert [t.name for t in down.removed] == ["cxl0"] and down.added == []
+    assert down.nodes_removed == (2,) and down.nodes_added == () and down.reshaped
+
+    up = topo.compare(gone, full)
+    assert up.index_map.tolist() == [0, 2, 3]  # a far block is not a CXL block
+    assert [(t.name, t.nodes, t.kind) for t in up.added] == [("cxl0", (2,), topo.KIND_CXL)]
+    assert up.nodes_added == (2,) and up.removed == []
+    # The new tier comes with its place in the kernel's memory tiers.
+    assert up.added[0].total == 256 * MIB
+
+
+def test_same_shape_is_not_reshaped_and_sizes_follow(tree):
+    a = discover(tree)
+    meminfo = tree / NODE / "node2/meminfo"
+    meminfo.write_text(meminfo.read_text().replace("262144 kB", "131072 kB", 2))  # one block offline
+    b = discover(tree)
+    ch = topo.compare(a, b)
+    assert not ch.reshaped and ch.index_map.tolist() == [0, 1, 2, 3]
+    assert b.tiers[1].total == 128 * MIB
+    assert not a.changed_on_disk()  # a block of a node that keeps memory: only uevents tell
+
+
+def test_override_with_a_node_gone_drops_its_tier_only_when_rediscovering(tree):
+    ov = {"tiers": [{"name": "dram", "nodes": [0]}, {"name": "slow", "nodes": [1, 2], "kind": "far"}]}
+    remove_node(tree)
+    with pytest.raises(topo.ConfigError, match="node 2 is not an online memory node"):
+        topo.discover(str(tree / "sys"), str(tree / "proc"), ov)
+    t = topo.discover(str(tree / "sys"), str(tree / "proc"), ov, hotplug=True)
+    assert [(x.name, x.nodes) for x in t.tiers[:2]] == [("dram", (0,)), ("slow", (1,))]
+    assert any("node 2 is offline" in w for w in t.warnings)
+    ov["tiers"][1]["nodes"] = [2]
+    t = topo.discover(str(tree / "sys"), str(tree / "proc"), ov, hotplug=True)
+    assert names(t) == ["dram", "swap"]
+
+
+# -- uevents ------------------------------------------------------------------
+
+
+def kernel_message(action: str, devpath: str, subsystem: str, seq: int = 1) -> bytes:
+    """A uevent datagram as the kernel sends it (lib/kobject_uevent.c)."""
+    fields = [f"{action}@{devpath}", f"ACTION={action}", f"DEVPATH={devpath}", f"SUBSYSTEM={subsystem}",
+              f"SEQNUM={seq}"]
+    return "\0".join(fields).encode() + b"\0"
+
+
+def decoded(data: bytes):
+    return list(MarshalUevent().parse(data))
+
+
+def test_parse_keeps_memory_topology_events_only():
+    ev = uevents.parse(decoded(kernel_message("online", "/devices/system/memory/memory34", "memory"))[0])
+    assert ev == uevents.Uevent("online", "memory", "/devices/system/memory/memory34") and ev.name == "memory34"
+    assert uevents.parse(decoded(kernel_message("add", "/devices/system/node/node2", "node"))[0]).subsystem == "node"
+    assert uevents.parse(decoded(kernel_message("add", "/devices/virtual/net/lo", "net"))[0]) is None
+    assert uevents.parse({"ACTION": "online"}) is None
+
+
+def test_listener_coalesces_a_burst_into_one_callback():
+    async def run():
+        loop = asyncio.get_running_loop()
+        bursts = []
+        listener = uevents.UeventListener(loop, bursts.append, debounce=0.05)
+        for i, b in enumerate((34, 35)):
+            listener.feed(decoded(kernel_message("add", f"/devices/system/memory/memory{b}", "memory", 2 * i)))
+            listener.feed(decoded(kernel_message("online", f"/devices/system/memory/memory{b}", "memory", 2 * i + 1)))
+            listener.feed(decoded(kernel_message("bind", "/devices/dax0.0", "dax")))
+        await asyncio.sleep(0.2)
+        listener.feed(decoded(kernel_message("add", "/devices/system/node/node2", "node")))
+        await asyncio.sleep(0.2)
+        listener.close()
+        return bursts, listener
+
+    bursts, listener = asyncio.run(run())
+    assert [len(b) for b in bursts] == [4, 1]
+    assert listener.events_total == 5 and listener.bursts_total == 2
+
+
+def test_listener_without_netlink_degrades_to_polling():
+    class NoNetlink:
+        async def bind(self, groups):
+            raise PermissionError(1, "Operation not permitted")
+
+    async def run():
+        listener = uevents.UeventListener(asyncio.get_running_loop(), lambda e: None, socket_factory=NoNetlink)
+        return await listener.start()
+
+    assert asyncio.run(run()) is False
+
+
+# -- the engine renumbers blocks; the follower logs and counts ---------------
+
+
+@pytest.fixture
+def engine_on(tree):
+    """A real Engine over a real registry holding 4 blocks of this process's
+    memory, dry-run migrator, topology from the tree."""
+    buf = mmap.mmap(-1, 8 * MIB)
+    table = BlockTable()
+    stats = DaemonStats()
+    temp = Temperature(10.0)
+    reg = Registry(table, Limits(), stats, temp, ProcProcesses())
+    addr = np.frombuffer(buf, dtype=np.uint8).ctypes.data
+    reg.add(os.getpid(), addr, 8 * MIB, 2 * MIB)
+    eng = Engine(table, reg, discover(tree), Migrator(dry_run=True), temp, PolicyConfig(), stats)
+    yield eng, stats
+    eng.shutdown()
+    buf.close()
+
+
+def tick(eng) -> None:
+    """One real tick on a running loop, its (dry-run) job finished and applied."""
+    async def once():
+        eng.loop = asyncio.get_running_loop()
+        eng.tick()
+        await asyncio.get_running_loop().run_in_executor(None, eng.wait_idle, 30.0)
+        await asyncio.sleep(0.05)  # the job's done-callback runs on the loop
+
+    asyncio.run(once())
+    assert eng.stats.tick_errors_total == 0
+
+
+def test_follower_renumbers_block_tiers_and_counts_events(tree, engine_on, caplog):
+    eng, stats = engine_on
+    follower = uevents.TopologyFollower(eng, stats, lambda: discover(tree))
+    t = eng.table
+    t.tier[:] = [0, 1, 2, 3]  # dram, cxl0, far0, swap
+    t.pin_tier[:] = [-1, 1, 2, -1]
+    eng.manual.append((t.region[:1].copy(), t.index[:1].copy(), 2))
+    remove_node(tree)
+    follower.poll()  # the node list changed on disk
+    assert names(eng.topology) == ["dram", "far0", "swap"]
+    # The CXL block is unknown until measured; far and swap keep what they are.
+    assert t.tier.tolist() == [0, TIER_UNKNOWN, 1, 2]
+    assert t.pin_tier.tolist() == [-1, TIER_UNKNOWN, 1, -1]
+    assert [m[2] for m in eng.manual] == [1]
+    assert eng.last_full_measure == -np.inf  # every block is measured again at once
+    assert stats.topology_events == {"tier_removed": 1, "rediscovered": 1}
+    (removed,) = [r for r in caplog.records if r.getMessage() == "tier_removed"]
+    assert getattr(removed, logs.FIELDS_ATTR)["tier"] == "cxl0"
+    follower.poll()
+    assert stats.topology_events["rediscovered"] == 1  # nothing changed since
+
+
+def test_a_change_during_a_migration_waits_for_it(tree, engine_on):
+    eng, stats = engine_on
+    follower = uevents.TopologyFollower(eng, stats, lambda: discover(tree))
+    t = eng.table
+    t.tier[:] = [0, 2, 2, 3]
+    eng.future = object()  # a job is running: its tier numbers are the old ones
+    offline_memory(tree)
+    follower.on_burst([uevents.Uevent("offline", "memory", "/devices/system/memory/memory34")])
+    assert names(eng.topology) == ["dram", "cxl0", "far0", "swap"] and t.tier.tolist() == [0, 2, 2, 3]
+    assert names(eng.latest_topology()) == ["dram", "far0", "swap"]
+    follower.poll()  # compares with the pending topology: no second change
+    assert stats.topology_events["rediscovered"] == 1
+    eng.future = None
+    tick(eng)
+    assert names(eng.topology) == ["dram", "far0", "swap"] and t.tier.tolist() == [0, 1, 1, 2]
+
+
+def test_pending_changes_compose(tree, engine_on):
+    eng, stats = engine_on
+    t = eng.table
+    t.tier[:] = [0, 1, 2, 3]
+    full = eng.topology
+    eng.future = object()
+    remove_node(tree)
+    gone = discover(tree)
+    eng.set_topology(gone, topo.compare(full, gone).index_map)
+    eng.set_topology(full, topo.compare(gone, full).index_map)  # and back before the job ended
+    eng.future = None
+    tick(eng)
+    # far and swap blocks are back at their old numbers; the CXL block is
+    # unknown (its tier was gone meanwhile) and measured: never touched, no pages.
+    assert t.tier.tolist() == [0, TIER_UNKNOWN, 2, 3]
