@@ -193,21 +193,22 @@ def engine_on(tree):
     reg = Registry(table, Limits(), stats, temp, ProcProcesses())
     addr = np.frombuffer(buf, dtype=np.uint8).ctypes.data
     reg.add(os.getpid(), addr, 8 * MIB, 2 * MIB)
-    eng = Engine(table, reg, discover(tree), Migrator(dry_run=True), temp, PolicyConfig(), stats)
+    loop = asyncio.new_event_loop()
+    eng = Engine(table, reg, discover(tree), Migrator(dry_run=True), temp, PolicyConfig(), stats, loop)
     yield eng, stats
     eng.shutdown()
+    loop.close()
     buf.close()
 
 
 def tick(eng) -> None:
     """One real tick on a running loop, its (dry-run) job finished and applied."""
     async def once():
-        eng.loop = asyncio.get_running_loop()
         eng.tick()
         await asyncio.get_running_loop().run_in_executor(None, eng.wait_idle, 30.0)
         await asyncio.sleep(0.05)  # the job's done-callback runs on the loop
 
-    asyncio.run(once())
+    eng.loop.run_until_complete(once())
     assert eng.stats.tick_errors_total == 0
 
 
