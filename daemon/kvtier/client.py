@@ -202,8 +202,18 @@ class Region:
 
     def query(self, first: int = 0, count: int | None = None) -> np.ndarray:
         """Tier index per block (0 = DRAM; -1 unknown/not yet touched)."""
-        r = self.client.call(protocol.Query(region=self.id, first=first, count=count))
-        return np.frombuffer(r["tiers"], dtype=protocol.TIERS_DTYPE)
+        # The daemon answers in pages (each within its frame limit); ``next``
+        # is where the following page starts.
+        parts = []
+        stop = None if count is None else first + count
+        while True:
+            r = self.client.call(protocol.Query(region=self.id, first=first,
+                                         count=None if stop is None else stop - first))
+            parts.append(np.frombuffer(r["tiers"], dtype=protocol.TIERS_DTYPE))
+            if r.get("next") is None:
+                break
+            first = r["next"]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def unregister(self) -> None:
         if self.closed:

@@ -51,6 +51,12 @@ TIERS_DTYPE = np.dtype("i1")
 TEMPS_DTYPE = np.dtype("<f4")
 FLAGS_DTYPE = np.dtype("u1")
 TIMES_DTYPE = np.dtype("<f8")
+BLOCK_ANSWER_BYTES = TIERS_DTYPE.itemsize + TEMPS_DTYPE.itemsize + FLAGS_DTYPE.itemsize + TIMES_DTYPE.itemsize
+# query/blocks answers are pages of at most this many bytes of packed arrays
+# (and within max_message_bytes); ANSWER_OVERHEAD is kept for the map around
+# them (keys, tier names: at most 64 tiers of short names).
+MAX_ANSWER_BYTES = 1024 * 1024
+ANSWER_OVERHEAD = 4096
 
 # User-space addresses are below 2**57 (5-level paging); msgspec bounds are int64.
 U64 = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
@@ -306,44 +312,73 @@ def decode_response(payload: bytes | memoryview) -> Response:
 class FrameReader:
     """Splits a byte stream into frame payloads; transport-agnostic.
 
-    ``feed`` returns complete payloads (memoryviews into an internal buffer,
-    valid until the next feed). An announced length above ``max_size`` raises
-    a fatal ProtocolError before the body is buffered, so an oversized frame
+    ``push`` appends received bytes, ``next`` takes one complete payload out
+    (None if there is none yet), so a server can answer a few frames and
+    leave the rest for its next turn; ``feed`` does both for callers that
+    want every frame at once. An announced length above ``max_size`` raises a
+    fatal ProtocolError before the body is buffered, so an oversized frame
     costs the daemon 4 bytes, not its memory.
     """
 
     def __init__(self, max_size: int = DEFAULT_MAX_MESSAGE):
         self.max_size = max_size
         self.buf = bytearray()
+        self.pos = 0  # start of the first unconsumed byte
+
+    def push(self, data: bytes) -> None:
+        if self.pos and self.pos >= len(self.buf) // 2:
+            del self.buf[: self.pos]  # compact: amortised O(1) per byte
+            self.pos = 0
+        self.buf += data
+
+    def _size(self) -> int | None:
+        """Announced size of the next frame, validated; None if the header is incomplete."""
+        if len(self.buf) - self.pos < HEADER_SIZE:
+            return None
+        (size,) = HEADER.unpack_from(self.buf, self.pos)
+        if size > self.max_size:
+            raise ProtocolError(
+                E_TOO_LARGE,
+                f"frame of {size} bytes exceeds the limit of {self.max_size}",
+                fatal=True,
+            )
+        if size == 0:
+            raise ProtocolError(E_BAD_FRAME, "empty frame", fatal=True)
+        return size
+
+    def next(self) -> bytes | None:
+        size = self._size()
+        if size is None:
+            return None
+        end = self.pos + HEADER_SIZE + size
+        if end > len(self.buf):
+            return None
+        payload = bytes(self.buf[self.pos + HEADER_SIZE : end])
+        self.pos = end
+        if self.pos == len(self.buf):
+            self.buf.clear()
+            self.pos = 0
+        return payload
+
+    def has_frame(self) -> bool:
+        """A complete frame is waiting (a bad header counts: next() raises it)."""
+        try:
+            size = self._size()
+        except ProtocolError:
+            return True
+        return size is not None and len(self.buf) - self.pos >= HEADER_SIZE + size
 
     def feed(self, data: bytes) -> list[bytes]:
-        buf = self.buf
-        buf += data
+        self.push(data)
         out = []
-        pos = 0
-        n = len(buf)
-        while n - pos >= HEADER_SIZE:
-            (size,) = HEADER.unpack_from(buf, pos)
-            if size > self.max_size:
-                raise ProtocolError(
-                    E_TOO_LARGE,
-                    f"frame of {size} bytes exceeds the limit of {self.max_size}",
-                    fatal=True,
-                )
-            if size == 0:
-                raise ProtocolError(E_BAD_FRAME, "empty frame", fatal=True)
-            end = pos + HEADER_SIZE + size
-            if end > n:
-                break
-            out.append(bytes(buf[pos + HEADER_SIZE : end]))
-            pos = end
-        if pos:
-            del buf[:pos]
+        while (payload := self.next()) is not None:
+            out.append(payload)
         return out
 
     @property
     def pending(self) -> int:
-        return len(self.buf)
+        """Bytes received and not yet taken out as frames."""
+        return len(self.buf) - self.pos
 
 
 def pack_blocks(blocks: Any) -> bytes:

@@ -7,8 +7,11 @@ defect of issue 12; on the code before the fix it fails.
 from __future__ import annotations
 
 import json
+import fcntl
 import os
 import socket
+import struct
+import termios
 import subprocess
 import sys
 import time
@@ -18,13 +21,17 @@ import pytest
 
 from kvtier import protocol
 
-from test_daemon import DROP, NOBODY, DaemonProc, PY, daemon, wait_for, workdir  # noqa: F401  (fixtures)
+from test_daemon import DEADLINE, DROP, NOBODY, DaemonProc, PY, daemon, wait_for, workdir  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.root
 
+SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
 
-def raw_call(sock: socket.socket, reader: protocol.FrameReader, req: dict) -> protocol.Response:
-    sock.sendall(protocol.frame(msgspec.msgpack.encode(req)))
+
+def raw_call(sock: socket.socket, reader: protocol.FrameReader, req: dict | None) -> protocol.Response:
+    """Send ``req`` (None: it was sent already) and read one answer."""
+    if req is not None:
+        sock.sendall(protocol.frame(msgspec.msgpack.encode(req)))
     pending: list[bytes] = []
     while not pending:
         data = sock.recv(1 << 20)
@@ -126,3 +133,147 @@ def test_stale_peer_pid_cannot_take_over_a_reused_pid(daemon):
             if p is not None and p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+FLOOD_LIMITS = """
+    [limits]
+    max_message_bytes = 65536
+    requests_per_second = 1e9
+    request_burst = 1000000000
+    """
+
+
+def _connect(path: str) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(DEADLINE)
+    s.connect(path)
+    return s
+
+
+def _outq(s: socket.socket) -> int:
+    """Bytes this socket sent that the peer has not read yet (SIOCOUTQ)."""
+    return struct.unpack("i", fcntl.ioctl(s.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+
+
+
+def test_pipelined_flood_gets_turns_not_the_whole_loop(workdir):
+    """Defect 2: 40,000 pipelined requests on one connection are answered in
+    turns; a request from another connection, sent once the flood is in the
+    daemon's socket, is answered after a few turns, not after the flood."""
+    d = DaemonProc(workdir, FLOOD_LIMITS).start()
+    try:
+        flood = 40_000
+        good = _connect(d.sock)
+        reader = protocol.FrameReader(1 << 30)
+        raw_call(good, reader, {"op": "hello", "id": 1})
+        bad = _connect(d.sock)
+        # The whole flood fits in the socket buffer, so sendall returns at
+        # once however fast the daemon reads.
+        bad.setsockopt(socket.SOL_SOCKET, SO_SNDBUFFORCE, 8 << 20)
+        # unregister of a region nobody has: a small answer (never near the
+        # unread-answer high water), a full trip through decode and handler.
+        frame = protocol.frame(msgspec.msgpack.encode({"op": "unregister", "id": 7, "region": (1 << 31) - 1}))
+        # The stats request is sent once the daemon has taken the first
+        # bytes of the flood out of its socket (SIOCOUTQ: bytes sent and not
+        # yet read), i.e. while it works through them (asyncio reads 256 KiB,
+        # ~7,500 frames, at a time).
+        total = len(frame) * flood
+        bad.sendall(frame * flood)
+        deadline = time.monotonic() + DEADLINE
+        while _outq(bad) == total:  # spin: a poll interval would let the daemon run ahead
+            assert time.monotonic() < deadline, "the daemon never read the flood"
+        st = raw_call(good, reader, {"op": "stats", "id": 2}).result
+        answered_before = st["errors"].get("unregister:not_found", 0)
+        one_read = (256 << 10) // len(frame)
+        # Every frame of the flood is still answered, in order, nothing lost.
+        got = 0
+        breader = protocol.FrameReader(1 << 30)
+        while got < flood:
+            for payload in breader.feed(bad.recv(1 << 20)):
+                r = protocol.decode_response(payload)
+                assert r.id == 7 and r.error.code == "not_found"
+                got += 1
+        assert answered_before < one_read // 2, (
+            f"{answered_before} of {flood} flood frames were answered before another connection's request")
+        bad.close()
+        good.close()
+    finally:
+        assert d.stop() == 0
+
+
+def test_unread_answers_stop_the_daemon_answering(workdir):
+    """Defect 2: a client that pipelines big requests and reads nothing gets
+    at most the unread-answer high water (4 MiB) answered ahead, not all of
+    them held in the daemon's memory; reading them later loses none."""
+    import mmap
+
+    d = DaemonProc(workdir, FLOOD_LIMITS).start()
+    buf = mmap.mmap(-1, 4096 * 4096)
+    try:
+        with d.client() as c:
+            region = c.register(buf, block_size=4096)
+            n = 200
+            # Each answer is a page of 4096 blocks x 14 bytes (57 KiB) here.
+            bad = _connect(d.sock)
+            bad.sendall(protocol.frame(msgspec.msgpack.encode({"op": "blocks", "id": 9, "region": region.id})) * n)
+
+            def settled():
+                a = c.stats()["requests"].get("blocks", 0)
+                time.sleep(0.2)
+                return a if a == c.stats()["requests"].get("blocks", 0) and a else None
+
+            answered = wait_for(settled, "the daemon to stop answering the unread client")
+            assert answered < n // 2, f"{answered} of {n} answers ({answered * 57} KiB) queued for a client that reads none"
+            got = 0
+            breader = protocol.FrameReader(1 << 30)
+            while got < n:
+                for payload in breader.feed(bad.recv(1 << 20)):
+                    r = protocol.decode_response(payload)
+                    assert r.ok and len(r.result["tiers"]) == 4096
+                    got += 1
+            bad.close()
+            region.unregister()
+    finally:
+        buf.close()
+        assert d.stop() == 0
+
+
+def test_answers_stay_within_max_message_bytes_and_page(workdir):
+    """Defect 2: a `blocks` or `query` answer never exceeds max_message_bytes;
+    it carries `next` and the client library pages through the rest."""
+    import mmap
+
+    import numpy as np
+
+    d = DaemonProc(workdir, FLOOD_LIMITS).start()
+    nblocks = 100_000
+    buf = mmap.mmap(-1, nblocks * 4096)  # never touched: costs no memory
+    try:
+        with d.client() as c:
+            region = c.register(buf, block_size=4096)
+            s = _connect(d.sock)
+            reader = protocol.FrameReader(1 << 30)
+            for op, per_block in (("blocks", 14), ("query", 1)):
+                first, seen = 0, 0
+                while True:
+                    s.sendall(protocol.frame(msgspec.msgpack.encode({"op": op, "id": 3, "region": region.id, "first": first})))
+                    frames: list[bytes] = []
+                    while not frames:
+                        frames += reader.feed(s.recv(1 << 20))
+                    assert len(frames[0]) <= 65536, f"{op} answer of {len(frames[0])} bytes > max_message_bytes"
+                    r = protocol.decode_response(frames[0]).result
+                    assert r["first"] == first and len(r["tiers"]) == r["count"] > 0
+                    seen += r["count"]
+                    if "next" not in r:
+                        break
+                    assert r["next"] == first + r["count"]
+                    first = r["next"]
+                assert seen == nblocks, op
+            tiers = region.query()
+            assert tiers.shape == (nblocks,) and tiers.dtype == np.int8
+            assert region.query(99_990, 5).shape == (5,)
+            s.close()
+            region.unregister()
+    finally:
+        buf.close()
+        assert d.stop() == 0
