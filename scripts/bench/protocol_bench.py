@@ -73,14 +73,19 @@ def start_daemon(workdir: str, cpu: int | None, rt: bool = False, tick: float = 
     if rt:
         cmd = ["chrt", "-f", "50"] + cmd
     p = subprocess.Popen(cmd, stderr=open(os.path.join(workdir, "log"), "w"))
-    deadline = time.monotonic() + 20
+    return wait_ready(p, sock, os.path.join(workdir, "log"))
+
+
+def wait_ready(p: subprocess.Popen, sock: str, log: str, timeout: float = 30.0) -> subprocess.Popen:
+    """Wait until the daemon answers on ``sock``; exit with its log if it dies first."""
+    deadline = time.monotonic() + timeout
     while True:
         try:
             Client(sock, reconnect_timeout=0).close()
             return p
         except Exception:
             if p.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"kvtierd did not start: {open(os.path.join(workdir, 'log')).read()}")
+                raise SystemExit(f"kvtierd did not start: {open(log).read()}")
             time.sleep(0.05)
 
 

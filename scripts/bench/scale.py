@@ -1,0 +1,366 @@
+#!/usr/bin/env python3
+"""What kvtierd costs at scale: 64 GiB to 1 TiB registered, idle and hinted.
+
+    sudo .venv/bin/python scripts/bench/scale.py [--sizes 64G,1T] [--regions 1,100,1000]
+        [--rates 0,10000,1000000] [--seconds 25] [--json FILE] [--daemon-path DIR]
+
+Each cell (registered bytes x regions x hinted blocks per second) starts a
+fresh kvtierd (its default config except: socket and metrics port in a
+temporary directory, no state file, request limits raised so the hint rate
+is not refused) and a workload process that
+
+* maps the regions as sparse anonymous memory (MAP_PRIVATE | MAP_ANONYMOUS |
+  MAP_NORESERVE), touching one byte every --touch-every bytes (default one
+  4 KiB page per 64 MiB: a pool the engine has reserved but barely used);
+* registers them itself, in --block blocks (default 2 MiB);
+* hints at the cell's rate: every 50 ms, rate/20 random blocks of the
+  regions in turn (at most 16 regions per round, so a round is at most 16
+  messages), with the client library's own batching.
+
+After --warmup seconds the benchmark samples, over --seconds of steady state:
+
+* daemon CPU: utime + stime of kvtierd from /proc/PID/stat (all its threads),
+  as % of one core; plus kdamond threads, if any appear while it runs;
+* tick duration p50/p99: histogram_quantile over the daemon's own tick
+  histogram (buckets of stats.TICK_BUCKETS), as Prometheus would compute it;
+* residency measurement: worker seconds per second spent measuring (the
+  daemon's residency_seconds_sum where it reports one, else its whole
+  migration-job time, which on an idle host is all measurement) and per pass
+  over the whole table (that rate times the time one pass takes);
+* RSS per block: (VmRSS after registration - VmRSS before) / blocks;
+* metrics scrape: median wall time of 5 GETs of /metrics;
+* hint-to-table throughput (cells with rate 0 only): this process, as root,
+  pipelines 65,536-block hint messages into the registered regions until
+  --ingest block hints, then one synchronous call (every hint applied);
+  block hints per wall second and per daemon CPU second.
+
+--daemon-path runs the daemon from another source tree (PYTHONPATH), e.g. an
+export of main, so the same benchmark gives the "before" row. The host is
+shared: keep --seconds short and say so; the load average is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import numpy as np
+
+from kvtier.client import Client
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from protocol_bench import cpu_seconds, machine, wait_ready  # noqa: E402
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+MAP_NORESERVE = 0x4000  # <sys/mman.h> on Linux (Python's mmap module does not export it)
+UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+ROUND_S = 0.05
+MAX_REGIONS_PER_ROUND = 16
+
+
+def size_of(s: str) -> int:
+    s = s.strip().upper().removesuffix("IB").removesuffix("B")
+    return int(float(s[:-1]) * UNITS[s[-1]]) if s and s[-1] in UNITS else int(s)
+
+
+def fmt_size(n: int) -> str:
+    for u in "TGMK":
+        if n >= UNITS[u] and n % UNITS[u] == 0:
+            return f"{n // UNITS[u]} {u}iB"
+    return str(n)
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def kdamond_cpu() -> dict[int, float]:
+    out = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/comm") as f:
+                if not f.read().startswith("kdamond"):
+                    continue
+            out[int(d)] = cpu_seconds(int(d))
+        except OSError:
+            pass
+    return out
+
+
+def histogram_quantile(q: float, bounds: list[float], counts: list[int]) -> float | None:
+    """Prometheus' histogram_quantile over non-cumulative bucket counts
+    (last bucket = above every bound): linear within the bucket."""
+    total = sum(counts)
+    if total <= 0:
+        return None
+    rank = q * total
+    acc = 0
+    for i, c in enumerate(counts):
+        if acc + c >= rank and c > 0:
+            lo = bounds[i - 1] if i > 0 else 0.0
+            if i >= len(bounds):
+                return bounds[-1]  # above the top bound: report the bound
+            return lo + (bounds[i] - lo) * (rank - acc) / c
+        acc += c
+    return bounds[-1]
+
+
+def hist_counts(h: dict) -> tuple[list[float], list[int]]:
+    """The stats op's {"buckets": {le: cumulative}} back to bounds + per-bucket counts."""
+    items = sorted(((float("inf") if k == "+Inf" else float(k)), v) for k, v in h["buckets"].items())
+    bounds = [b for b, _ in items if b != float("inf")]
+    cum = [v for _, v in items]
+    return bounds, [cum[0]] + [cum[i] - cum[i - 1] for i in range(1, len(cum))]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- the workload process -----------------------------------------------------------
+
+
+def child(a: argparse.Namespace) -> int:
+    """Map, touch, register, then hint at the rate until SIGTERM; report on exit."""
+    per = a.total // a.nregions
+    block = a.block
+    per -= per % block
+    bufs, regions = [], []
+    stop = False
+
+    def on_term(*_):
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    c = Client(a.socket, hint_interval=ROUND_S)
+    for i in range(a.nregions):
+        m = mmap.mmap(-1, per, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
+        np.frombuffer(m, dtype=np.uint8)[:: a.touch_every] = 1
+        bufs.append(m)
+        regions.append(c.register(m, block_size=block, name=f"scale{i}"))
+    print(json.dumps({"ready": True, "blocks": sum(r.nblocks for r in regions),
+                      "regions": [r.id for r in regions]}), flush=True)
+    rng = np.random.default_rng(7)
+    per_round = int(a.rate * ROUND_S)
+    hint_s = 0.0
+    hinted = 0
+    k = 0
+    t_start = time.monotonic()
+    next_round = t_start
+    while not stop:
+        if per_round:
+            nr = min(len(regions), MAX_REGIONS_PER_ROUND)
+            each = max(1, per_round // nr)
+            for j in range(nr):
+                r = regions[(k + j) % len(regions)]
+                blocks = rng.integers(0, r.nblocks, each, dtype=np.uint32)
+                t0 = time.perf_counter()
+                r.hint(blocks)
+                hint_s += time.perf_counter() - t0
+                hinted += each
+            k += nr
+        next_round += ROUND_S
+        time.sleep(max(0.0, next_round - time.monotonic()))
+    wall = time.monotonic() - t_start
+    errs = c.flush()
+    print(json.dumps({"hinted": hinted, "hint_call_s": hint_s, "wall_s": wall, "errors": len(errs)}), flush=True)
+    c.close()
+    return 0
+
+
+# -- the measuring side ---------------------------------------------------------------
+
+
+def start_daemon(wd: str, port: int, daemon_path: str | None, extra: str) -> subprocess.Popen:
+    sock = os.path.join(wd, "kvtierd.sock")
+    cfg = os.path.join(wd, "kvtierd.toml")
+    with open(cfg, "w") as f:
+        f.write(f'[daemon]\nsocket = "{sock}"\nstate_file = ""\n'
+                "[limits]\nrequests_per_second = 1e9\nrequest_burst = 1000000000\n"
+                "max_blocks_per_region = 4194304\nmax_blocks_total = 16777216\n"
+                f'[metrics]\nenabled = true\naddress = "127.0.0.1"\nport = {port}\n' + extra)
+    env = dict(os.environ)
+    if daemon_path:
+        env["PYTHONPATH"] = os.path.join(daemon_path, "daemon")
+    p = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", "-c", cfg], env=env,
+                         stderr=open(os.path.join(wd, "log"), "w"))
+    return wait_ready(p, sock, os.path.join(wd, "log"))
+
+
+def scrape_ms(port: int, n: int = 5) -> tuple[float, int]:
+    times, size = [], 0
+    for _ in range(n):
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+            size = len(r.read())
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times), size
+
+
+def ingest(c: Client, daemon_pid: int, regions: list[int], nblocks_each: int, total: int) -> dict:
+    """Pipelined 65,536-block hints from this (root) process into the regions."""
+    rng = np.random.default_rng(3)
+    batch = 65536
+    msgs = [rng.integers(0, nblocks_each, batch, dtype=np.uint32) for _ in range(8)]
+    c.hint_batch = batch
+    handles = []
+    for rid in regions[:16]:
+        from kvtier.client import Region
+
+        handles.append(Region(c, {"region": rid, "blocks": nblocks_each, "block_size": 0}, 0, 0))
+    sent, i = 0, 0
+    cpu0 = cpu_seconds(daemon_pid)
+    t0 = time.perf_counter()
+    while sent < total:
+        handles[i % len(handles)].hint(msgs[i & 7])
+        sent += batch
+        i += 1
+    errs = c.flush()
+    wall = time.perf_counter() - t0
+    cpu = cpu_seconds(daemon_pid) - cpu0
+    return {"block_hints": sent, "wall_s": wall, "daemon_cpu_s": cpu, "errors": [str(e) for e in errs[:3]],
+            "per_wall_s": sent / wall, "per_cpu_s": sent / cpu if cpu > 0 else None}
+
+
+def run_cell(a: argparse.Namespace, total: int, nregions: int, rate: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="kvtier-scale-") as wd:
+        port = free_port()
+        others = set(kdamond_cpu())  # kdamonds of other users of this host are not ours
+        d = start_daemon(wd, port, a.daemon_path, a.daemon_config)
+        sock = os.path.join(wd, "kvtierd.sock")
+        w = None
+        try:
+            time.sleep(1.0)
+            rss0 = rss_bytes(d.pid)
+            w = subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), "--child", "--socket", sock, "--total", str(total),
+                 "--nregions", str(nregions), "--block", str(a.block), "--touch-every", str(a.touch_every),
+                 "--rate", str(rate)], stdout=subprocess.PIPE, text=True)
+            ready = json.loads(w.stdout.readline() or "{}")
+            if not ready.get("ready"):
+                raise SystemExit("workload did not start")
+            c = Client(sock, hint_interval=1e9)
+            time.sleep(a.warmup)
+            s0, cpu0, kd0, t0 = c.stats(), cpu_seconds(d.pid), kdamond_cpu(), time.monotonic()
+            time.sleep(a.seconds)
+            s1, cpu1, kd1, t1 = c.stats(), cpu_seconds(d.pid), kdamond_cpu(), time.monotonic()
+            rss1 = rss_bytes(d.pid)
+            wall = t1 - t0
+            bounds, c1 = hist_counts(s1["tick_seconds_hist"])
+            _, c0 = hist_counts(s0["tick_seconds_hist"])
+            dc = [x - y for x, y in zip(c1, c0)]
+            q = lambda p: histogram_quantile(p, bounds, dc)  # noqa: E731
+            kd = sum(kd1[p] - kd0.get(p, kd1[p]) for p in kd1 if p not in others)
+            if "residency_seconds_sum" in s1:
+                meas = s1["residency_seconds_sum"] - s0["residency_seconds_sum"]
+                # one pass = the rotating sample visiting every block once
+                looked = s1["residency_blocks_total"] - s0["residency_blocks_total"]
+                pass_s = s1.get("residency_pass_seconds") or (ready["blocks"] * wall / looked if looked else None)
+                meas_kind = "residency"
+            else:
+                meas = s1["migration_seconds_sum"] - s0["migration_seconds_sum"]
+                pass_s = s1.get("residency_interval", 10.0)
+                meas_kind = "worker job"
+            blocks = ready["blocks"]
+            res = {
+                "total": total, "regions": nregions, "rate": rate, "blocks": blocks, "seconds": wall,
+                "daemon_cpu_pct": 100 * (cpu1 - cpu0) / wall, "kdamond_cpu_pct": 100 * kd / wall,
+                "ticks": sum(dc), "tick_p50_ms": (q(0.5) or 0) * 1000, "tick_p99_ms": (q(0.99) or 0) * 1000,
+                "ticks_skipped_busy": s1["ticks_skipped_busy"] - s0["ticks_skipped_busy"],
+                "measure_s_per_s": meas / wall, "measure_kind": meas_kind,
+                "measure_s_per_pass": (meas / wall) * pass_s if pass_s else None, "pass_s": pass_s,
+                "rss_bytes": rss1, "rss_per_block": (rss1 - rss0) / blocks,
+                "hints_applied": s1["block_hints_total"] - s0["block_hints_total"],
+            }
+            res["scrape_ms"], res["scrape_bytes"] = scrape_ms(port)
+            if rate == 0 and a.ingest:
+                res["ingest"] = ingest(c, d.pid, ready["regions"], blocks // nregions, a.ingest)
+            c.close()
+            w.send_signal(signal.SIGTERM)
+            out = w.stdout.readline()
+            w.wait(30)
+            if out:
+                res["workload"] = json.loads(out)
+        finally:
+            if w is not None and w.poll() is None:
+                w.kill()
+            d.terminate()
+            try:
+                d.wait(30)
+            except subprocess.TimeoutExpired:
+                d.kill()
+        return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="64G,1T")
+    ap.add_argument("--regions", default="1,100,1000")
+    ap.add_argument("--rates", default="0,10000,1000000")
+    ap.add_argument("--cells", help="explicit cells SIZE:REGIONS:RATE,... instead of the cartesian product")
+    ap.add_argument("--block", type=size_of, default=2 << 20)
+    ap.add_argument("--touch-every", type=size_of, default=64 << 20)
+    ap.add_argument("--seconds", type=float, default=25.0)
+    ap.add_argument("--warmup", type=float, default=5.0)
+    ap.add_argument("--ingest", type=int, default=10_000_000, help="block hints in the ingestion test (0: skip)")
+    ap.add_argument("--daemon-path", help="source tree whose daemon/ to run (e.g. an export of main)")
+    ap.add_argument("--daemon-config", default="", help="extra TOML appended to the daemon's config")
+    ap.add_argument("--json")
+    # the workload process
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--socket", help=argparse.SUPPRESS)
+    ap.add_argument("--total", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--nregions", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--rate", type=int, default=0, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        return child(a)
+    if a.cells:
+        cells = [(size_of(s), int(r), int(h)) for s, r, h in (c.split(":") for c in a.cells.split(","))]
+    else:
+        cells = [(size_of(s), int(r), int(h)) for s in a.sizes.split(",") for r in a.regions.split(",")
+                 for h in a.rates.split(",")]
+    print(f"# {machine()}; load average {os.getloadavg()[0]:.2f}; daemon from "
+          f"{a.daemon_path or 'this tree'}; {a.warmup:g} s warm-up, {a.seconds:g} s measured per cell; "
+          f"block {fmt_size(a.block)}, one page touched per {fmt_size(a.touch_every)}")
+    print("| registered | regions | blocks | hinted/s | daemon CPU % | kdamond % | tick p50 ms | tick p99 ms "
+          "| skipped | measure s/s | measure s/pass | RSS B/block | scrape ms | ingest M/s (wall, per CPU-s) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    results = []
+    for total, nregions, rate in cells:
+        r = run_cell(a, total, nregions, rate)
+        results.append(r)
+        ing = r.get("ingest")
+        ing_s = f"{ing['per_wall_s'] / 1e6:.1f}, {(ing['per_cpu_s'] or 0) / 1e6:.1f}" if ing else ""
+        mp = r["measure_s_per_pass"]
+        print(f"| {fmt_size(total)} | {nregions} | {r['blocks']} | {rate} | {r['daemon_cpu_pct']:.1f} | "
+              f"{r['kdamond_cpu_pct']:.1f} | {r['tick_p50_ms']:.1f} | {r['tick_p99_ms']:.1f} | "
+              f"{r['ticks_skipped_busy']} | {r['measure_s_per_s']:.3f} | {'' if mp is None else f'{mp:.2f}'} | "
+              f"{r['rss_per_block']:.0f} | {r['scrape_ms']:.1f} | {ing_s} |", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"machine": machine(), "argv": sys.argv, "results": results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
