@@ -27,6 +27,8 @@ F_NEVER_SWAP = 1 << 2  # region constraint: never page out to swap
 F_PREFILL_DONE = 1 << 3  # phase hint: block is read-only now, demotion candidate
 F_MANUAL_PIN = 1 << 4  # operator pinned the block to its current tier
 F_NOT_PRESENT = 1 << 5  # no page of the block has been touched yet
+F_STALE = 1 << 6  # placement may have changed (hinted while not present, a move failed,
+                  # the sample disagreed): measure the whole block soon
 
 FIELDS: dict[str, np.dtype] = {
     "region": np.dtype(np.int32),
@@ -72,12 +74,10 @@ class BlockTable:
         self._cap = max(16, capacity)
         self.n = 0
         self.slices: dict[int, Slice] = {}
-        self._a: dict[str, np.ndarray] = {}
-        for name, dt in FIELDS.items():
-            arr = np.zeros(self._cap, dtype=dt)
-            if name in _DEFAULTS:
-                arr[:] = _DEFAULTS[name]
-            self._a[name] = arr
+        # np.zeros of a large array maps zero pages lazily: capacity not yet
+        # used costs no memory, so nothing may write to it before add_region
+        # (which sets every field of its slice, defaults included).
+        self._a: dict[str, np.ndarray] = {name: np.zeros(self._cap, dtype=dt) for name, dt in FIELDS.items()}
 
     def __len__(self) -> int:
         return self.n
@@ -97,8 +97,6 @@ class BlockTable:
             cap *= 2
         for name, arr in self._a.items():
             new = np.zeros(cap, dtype=arr.dtype)
-            if name in _DEFAULTS:
-                new[:] = _DEFAULTS[name]
             new[: self.n] = arr[: self.n]
             self._a[name] = new
         self._cap = cap
@@ -158,6 +156,23 @@ class BlockTable:
     def region_view(self, region: int, name: str) -> np.ndarray:
         s = self.slices[region]
         return self._a[name][s.start : s.stop]
+
+    def rows_of(self, region: np.ndarray, index: np.ndarray) -> np.ndarray:
+        """Current row of each (region id, block index), -1 where the region is gone.
+
+        One searchsorted over the sorted region ids (ids can be large: they
+        come from clients' state files), no loop over regions.
+        """
+        region = np.asarray(region, dtype=np.int64)
+        if not self.slices or region.size == 0:
+            return np.full(region.shape, -1, dtype=np.int64)
+        ids = np.fromiter(self.slices, dtype=np.int64, count=len(self.slices))
+        starts = np.fromiter((s.start for s in self.slices.values()), dtype=np.int64, count=len(self.slices))
+        order = np.argsort(ids)
+        ids, starts = ids[order], starts[order]
+        k = np.minimum(np.searchsorted(ids, region), ids.size - 1)
+        found = ids[k] == region
+        return np.where(found, starts[k] + np.asarray(index, dtype=np.int64), -1)
 
     def snapshot(self) -> dict[str, np.ndarray]:
         """Copies of every array: what the policy sees, immune to later writes."""

@@ -179,7 +179,17 @@ OPTIONS: tuple[Option, ...] = (
     Option("daemon", "tick_interval", float, 1.0,
            "Seconds between policy ticks (snapshot, plan, migrate).", 0.01, 3600.0),
     Option("daemon", "residency_interval", float, 10.0,
-           "Seconds between full re-measurements of where every block's pages are.", 0.1, 86400.0),
+           "Seconds for the rotating residency sample to look at every block once "
+           "(longer when residency_pages_per_s cannot pay for it).", 0.1, 86400.0),
+    Option("daemon", "residency_pages_per_s", float, 65536.0,
+           "Budget of pages per second whose placement is measured (sampled windows, blocks that changed): "
+           "bounds the measuring cost whatever is registered.", 1.0, 1e9),
+    Option("daemon", "residency_sample_pages", int, 16,
+           "Pages per block in the rotating sample's window; a block it finds elsewhere is measured whole.",
+           1, 1 << 20),
+    Option("daemon", "source_cpu_budget", float, 0.05,
+           "Share of one core each hotness source may use (its collect plus its kernel thread); "
+           "above it the source runs less often and says so in status and metrics.", 0.0001, 64.0),
     Option("daemon", "proc_root", str, "/proc", "procfs root (tests point it elsewhere).", lo=1),
     Option("daemon", "sys_root", str, "/sys", "sysfs root (tests point it elsewhere).", lo=1),
     Option("daemon", "dry_run", bool, False,

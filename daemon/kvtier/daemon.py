@@ -113,7 +113,9 @@ class Daemon:
         self.engine = Engine(
             self.table, self.registry, self.topology, self.migrator, self.temperature,
             policy_config(cfg, self.registry.tenant_id), self.stats, loop,
-            residency_interval=d.residency_interval, sources=self.sources, availability=self.availability,
+            residency_interval=d.residency_interval, residency_pages_per_s=d.residency_pages_per_s,
+            residency_sample_pages=d.residency_sample_pages, source_cpu_budget=d.source_cpu_budget,
+            sources=self.sources, availability=self.availability,
         )
         self.hotplug = uevents.TopologyFollower(self.engine, self.stats, lambda: topo_mod.discover(
             d.sys_root, d.proc_root, topology_overrides(self.cfg), hotplug=True))
@@ -238,6 +240,9 @@ class Daemon:
         self.server.apply_limits(new.limits, new.security.admin_group)
         self.engine.policy_cfg = pcfg
         self.engine.residency_interval = new.daemon.residency_interval
+        self.engine.residency_pages_per_s = new.daemon.residency_pages_per_s
+        self.engine.residency_sample_pages = new.daemon.residency_sample_pages
+        self.engine.source_cpu_budget = new.daemon.source_cpu_budget
         self.temperature.tau_s = new.hotness.tau_s
         self.watch.rules = watch_mod.parse_rules(new.watch)
         self.watch_schedule.interval = new.daemon.watch_interval

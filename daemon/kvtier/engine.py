@@ -1,19 +1,31 @@
-"""The tick: snapshot, decide, act — with the acting done off the loop thread.
+"""The tick: snapshot, decide, act, with every kernel call off the loop thread.
 
 Each tick, on the event-loop thread (where the registry lives, so no locks):
   1. age temperatures, refresh tier free memory, drop regions of dead
      processes the pidfds missed;
-  2. if no migration job is running: snapshot the BlockTable, ask the pure
-     policy for a plan, add operator moves (kvtierctl migrate), and hand the
-     job to the single worker thread.
-The worker measures where blocks are (move_pages query + pagemap) and runs
-the moves; it sees only arrays copied at snapshot time. Its results come back
-to the loop thread, keyed by (region id, block index) rather than table row,
-because regions registered or dropped meanwhile shift the rows.
+  2. mark stale the blocks whose placement may have changed: hinted (or
+     observed) while not present or not yet measured;
+  3. move: if the mover thread is idle and anything changed since the last
+     plan (hints, observations, measurements, registrations, moves done; or
+     IDLE_REPLAN_S passed), plan over the blocks whose tier is known, add
+     operator moves (kvtierctl migrate) and hand the moves to the mover;
+  4. measure: if the measuring thread is idle, hand it the stale blocks
+     (all of their pages) and the next slice of a rotating sample (a window
+     of ``residency_sample_pages`` pages per block), together at most
+     ``residency_pages_per_s`` pages per second;
+  5. collect: if the collecting thread is idle, hand it the hotness sources
+     that are due (each at its own pace: a source over its CPU budget is
+     collected, and where it can sampled, less often).
 
-One job at a time: migrations of a tick that are still running when the
-next tick comes simply make that tick skip its act phase (counted in
-``ticks_skipped_busy``), so a slow kernel never queues up stale plans.
+Three worker threads, one job each at a time: a slow DAMON collect or a long
+move_pages never makes a hinted promotion wait, and the idle cost follows
+what changed and the measuring budget, not the registered bytes. Results
+come back to the loop thread keyed by (region id, block index) rather than
+table row, because regions registered or dropped meanwhile shift the rows.
+
+A mover still busy when the next tick comes makes that tick skip planning
+(counted in ``ticks_skipped_busy``), so a slow kernel never queues up stale
+plans.
 """
 
 from __future__ import annotations
@@ -21,16 +33,18 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from kvtier import logs
 from kvtier import policy as pol
-from kvtier.blocks import FIELDS, F_KEEP_DRAM, F_NEVER_SWAP, F_NOT_PRESENT, TIER_UNKNOWN, BlockTable
+from kvtier.blocks import (FIELDS, F_KEEP_DRAM, F_NEVER_SWAP, F_NOT_PRESENT, F_STALE, TIER_UNKNOWN, BlockTable,
+                           Slice)
 from kvtier.errors import InvalidArgument, KvtierError
 from kvtier.hotness import Temperature
 from kvtier.ports import AvailabilityView, HotnessSource, MigratorPort, ObservationView, TopologyView
@@ -39,32 +53,117 @@ from kvtier.stats import DaemonStats
 
 log = logging.getLogger("kvtier.engine")
 
+# Without new input (no hint, observation, measurement, registration or
+# finished move) the plan can only change through decay, which is slow
+# against the default tau of 30 s: replan that rarely instead of every tick.
+IDLE_REPLAN_S = 5.0
+# Measuring budget accrues for at most this long (a stalled loop does not
+# buy a burst of measurement afterwards).
+MAX_BUDGET_S = 5.0
+# Pages per measuring job when the operator asked for a full re-measurement
+# (no per-second budget then, but bounded buffers per job).
+URGENT_JOB_PAGES = 1 << 20
+# The rotating sample looks at least this many blocks per tick (a few
+# thousand page queries: well under a millisecond), so a small table is
+# sampled whole every tick and a new region's touched blocks are found at once.
+MIN_SAMPLE_BLOCKS = 1024
+# A source over its CPU budget is collected (and sampled) 2, 4, ... up to
+# this many times more slowly.
+MAX_SLOWDOWN = 64
+
+
+def _keys_of(slices: dict[int, Slice], rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(region id, block index) of table rows under a given slice layout."""
+    rows = np.asarray(rows, dtype=np.int64)
+    if not slices or rows.size == 0:
+        z = np.full(rows.shape, -1, dtype=np.int64)
+        return z, z.copy()
+    ids = np.fromiter(slices, dtype=np.int64, count=len(slices))
+    starts = np.fromiter((s.start for s in slices.values()), dtype=np.int64, count=len(slices))
+    order = np.argsort(starts)
+    ids, starts = ids[order], starts[order]
+    k = np.maximum(np.searchsorted(starts, rows, side="right") - 1, 0)
+    return ids[k], rows - starts[k]
+
 
 @dataclass
-class Job:
-    """Work for the migration thread; everything is a copy."""
+class MoveJob:
+    """Moves for the mover thread; everything is a copy of the plan's rows."""
 
-    region: np.ndarray  # int32 region id per block
-    index: np.ndarray  # int32 block index in its region
+    region: np.ndarray  # int64 region id per move
+    index: np.ndarray  # int64 block index in its region
     pid: np.ndarray
     addr: np.ndarray  # uint64
     nbytes: np.ndarray  # uint64
-    measure: np.ndarray  # bool: measure this block's residency
-    move: np.ndarray  # bool: this block is in the plan
-    src: np.ndarray  # int8 tier now (plan rows only meaningful)
+    src: np.ndarray  # int8 tier now
     dst: np.ndarray  # int8 tier wanted
-    sources: list[HotnessSource] = field(default_factory=list)  # to collect from
     plan: pol.Plan | None = None
-    plan_pos: np.ndarray | None = None  # position of each job block in plan.rows (-1 = none)
+    plan_pos: np.ndarray | None = None  # position of each move in plan.rows (-1 = operator move)
     started: float = 0.0
-    # results (filled by the worker)
-    measured_tier: np.ndarray | None = None
-    present: np.ndarray | None = None
     ok: np.ndarray | None = None
     unmovable: np.ndarray | None = None
     failures: collections.Counter = field(default_factory=collections.Counter)
-    observations: list[ObservationView] = field(default_factory=list)  # rows as at snapshot
     seconds: float = 0.0
+
+
+@dataclass
+class MeasureJob:
+    """Blocks for the measuring thread: ``full`` ones page by page, the
+    others through a window of sampled page addresses."""
+
+    region: np.ndarray
+    index: np.ndarray
+    pid: np.ndarray
+    addr: np.ndarray
+    nbytes: np.ndarray
+    full: np.ndarray  # bool per block
+    window: np.ndarray  # (blocks, sample pages) uint64 page addresses (rows of full blocks unused)
+    lut: np.ndarray  # node -> tier, captured with the topology at submit time
+    ntiers: int
+    swap_index: int | None
+    started: float = 0.0
+    measured_tier: np.ndarray | None = None  # full blocks: dominant tier or TIER_UNKNOWN
+    present: np.ndarray | None = None  # full blocks: some page present or swapped
+    window_tier: np.ndarray | None = None  # sampled blocks: dominant tier of the window, -1 none
+    pages: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class CollectJob:
+    sources: list[HotnessSource]
+    slices: dict[int, Slice]  # the row layout the sources were targeted at
+    generation: int
+    started: float = 0.0
+    observations: list[ObservationView] = field(default_factory=list)  # rows as at set_targets
+    cost: dict = field(default_factory=dict)  # source name -> (daemon CPU s, kernel CPU s)
+
+
+class _Worker:
+    """One thread, one job at a time."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kvtier-{name}")
+        self.future: Future | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self.future is not None
+
+
+@dataclass
+class SourcePace:
+    """How often a hotness source runs, and what it has cost."""
+
+    slowdown: int = 1  # collected every slowdown-th chance
+    skip: int = 0
+    cpu_s: float = 0.0  # daemon CPU in collect, total
+    kernel_s: float = 0.0  # its kernel thread's CPU (kdamond), total
+    collects: int = 0
+    last_at: float | None = None
+    last_kernel: float | None = None
+    share: float = 0.0  # of one core over the last collect interval
 
 
 class Engine:
@@ -80,9 +179,13 @@ class Engine:
         loop: asyncio.AbstractEventLoop,
         *,
         residency_interval: float = 10.0,
+        residency_pages_per_s: float = 65536.0,
+        residency_sample_pages: int = 16,
+        source_cpu_budget: float = 0.05,
         sources: Sequence[HotnessSource] = (),
         availability: Mapping[str, AvailabilityView] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        seed: int | None = None,
     ):
         """``loop`` is the event loop the registry lives on: a finished job
         is applied there (call_soon_threadsafe from the worker)."""
@@ -95,24 +198,45 @@ class Engine:
         self.pstate = pol.PolicyState()
         self.stats = stats
         self.residency_interval = residency_interval
+        self.residency_pages_per_s = residency_pages_per_s
+        self.residency_sample_pages = residency_sample_pages
+        self.source_cpu_budget = source_cpu_budget
         self.clock = clock
-        # The worker keeps the daemon's scheduling priority on purpose: it
-        # holds the GIL while it runs Python, so a deprioritised worker would
+        # The workers keep the daemon's scheduling priority on purpose: they
+        # hold the GIL while they run Python, so a deprioritised worker would
         # make the loop thread wait on it (priority inversion through the GIL).
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-migrate")
-        self.job: Job | None = None
-        self.future: Future | None = None
+        self.mover = _Worker("migrate")
+        self.measurer = _Worker("measure")
+        self.collector = _Worker("collect")
         self.last_tick = 0.0
-        self.last_full_measure = -np.inf
         self.manual: list[tuple[np.ndarray, np.ndarray, int]] = []  # (region ids, indices, tier)
         self.loop = loop
+        self._rng = np.random.default_rng(seed)
+        # what the last plan saw; anything new makes the next tick plan again
+        self._dirty = True
+        self._plan_hints = -1
+        self._plan_gen = -1
+        self._last_plan = -math.inf
+        self._stale_hints = 0  # block_hints_total when stale blocks were last looked for
+        self._stale_scan_at = -math.inf
+        # measuring: the rotating sample's cursor, the stale blocks' cursor, the budget clock
+        self._cursor = 0
+        self._stale_cursor = 0
+        self._last_measure_at: float | None = None
+        self._pass_started: float | None = None
+        self._urgent = False
         # Hotness sources that probed available; their set_targets runs on
-        # this thread between jobs, their collect on the worker inside a job,
+        # this thread while no collect runs, their collect on the collector,
         # so a source is never used by two threads at once.
         self.availability = dict(availability or {})
         self.sources = [s for s in sources if self.availability.get(s.name)]
+        self.pace = {s.name: SourcePace() for s in self.sources}
         self._targets_gen = -1
         self._pending_topology: tuple[Any, np.ndarray] | None = None
+        self._targets_hinted: frozenset[int] | None = None
+        self._targets_slices: dict[int, Slice] = {}
+        self._hinted_regions: frozenset[int] = frozenset()
+        self._hinted_at = (-1, -1)
 
     # -- tiers -----------------------------------------------------------
 
@@ -168,7 +292,7 @@ class Engine:
     def set_topology(self, topology: Any, index_map: np.ndarray) -> None:
         """Switch to a re-discovered topology; ``index_map`` maps each tier
         index of ``latest_topology()`` to the new one (-1: gone). Applied
-        between migration jobs: a running job's tier numbers are the old ones."""
+        between jobs: a running job's tier numbers are the old ones."""
         if self._pending_topology is not None:
             first = self._pending_topology[1]
             index_map = np.where(first >= 0, index_map[np.maximum(first, 0)], first).astype(np.int8)
@@ -185,9 +309,10 @@ class Engine:
             col[known] = index_map[col[known].astype(np.int64)]
         self.manual = [(r, i, int(index_map[t])) for r, i, t in self.manual if index_map[t] >= 0]
         self.topology = topology
+        self._dirty = True
         # Memory went offline under some blocks (the kernel moved their
         # pages) or a tier is new: measure every block where it really is.
-        self.last_full_measure = -np.inf
+        self.request_measure()
 
     # -- operator requests -----------------------------------------------
 
@@ -202,22 +327,55 @@ class Engine:
             raise InvalidArgument("blocks of a never_swap region cannot be moved to swap")
         if flags & F_KEEP_DRAM and tier != 0:
             raise InvalidArgument("blocks of a keep_dram region cannot leave tier 0")
-        self.manual.append((self.table.region[rows].copy(), self.table.index[rows].copy(), tier))
+        self.manual.append((self.table.region[rows].astype(np.int64), self.table.index[rows].astype(np.int64), tier))
         return int(rows.size)
+
+    def request_measure(self, rows: np.ndarray | None = None) -> int:
+        """Full re-measurement on demand: every page of the blocks (all when
+        ``rows`` is None), as fast as the kernel answers, regardless of the
+        per-second budget."""
+        flags = self.table.flags
+        if rows is None:
+            flags |= np.uint8(F_STALE)
+            n = len(self.table)
+        else:
+            flags[rows] |= np.uint8(F_STALE)
+            n = int(np.asarray(rows).size)
+        self._urgent = True
+        return n
 
     def explain(self, row: int) -> str:
         snap = self.table.snapshot()
         return pol.explain(snap, row, self.tier_states(), self.policy_cfg, self.pstate, self.clock())
 
+    @property
+    def future(self) -> Future | None:
+        """A running job of any worker (None when all are idle)."""
+        for w in (self.mover, self.measurer, self.collector):
+            if w.future is not None:
+                return w.future
+        return None
+
     def status(self) -> dict:
         now = self.clock()
+        sources = {}
+        for name, a in self.availability.items():
+            d = {"active": bool(a), "reason": a.reason}
+            p = self.pace.get(name)
+            if p is not None:
+                d.update(cpu_s=p.cpu_s, kernel_cpu_s=p.kernel_s, collects=p.collects, slowdown=p.slowdown,
+                         core_share=p.share, over_budget=p.slowdown > 1)
+            sources[name] = d
         return {
             "dry_run": bool(self.migrator.dry_run),
             "tiers": self.tier_names(),
             "last_tick_age_s": now - self.last_tick if self.last_tick else None,
-            "job_running": self.future is not None and not self.future.done(),
+            "job_running": self.mover.busy,
+            "workers": {w.name: w.busy for w in (self.mover, self.measurer, self.collector)},
             "manual_moves_pending": sum(int(r.size) for r, _, _ in self.manual),
-            "sources": {name: {"active": bool(a), "reason": a.reason} for name, a in self.availability.items()},
+            "stale_blocks": int(np.count_nonzero(self.table.flags & F_STALE)),
+            "source_cpu_budget": self.source_cpu_budget,
+            "sources": sources,
             "warnings": list(getattr(self.topology, "warnings", [])),
         }
 
@@ -243,99 +401,130 @@ class Engine:
             self.topology.refresh_free()
         except (KvtierError, OSError) as e:
             log.warning("topology refresh failed: %s", e)
-        if self.future is not None:
-            self.stats.ticks_skipped_busy += 1
-            return
         if len(self.table) == 0 or not self.topology.tiers:
             self.manual.clear()
             return
-        job = self._build_job(now)
-        if job is None:
-            return
-        self.job = job
-        self.future = self.executor.submit(self._run, job)
-        self.future.add_done_callback(lambda f: self.loop.call_soon_threadsafe(self._finish, job, f))
-
-    def _build_job(self, now: float) -> Job | None:
-        t = self.table
-        n = len(t)
-        full = now - self.last_full_measure >= self.residency_interval
-        if full and not self.migrator.dry_run:
-            measure = np.ones(n, dtype=bool)
-            self.last_full_measure = now
+        self._mark_stale(now)
+        if self.mover.busy:
+            self.stats.ticks_skipped_busy += 1
         else:
-            measure = t.tier == TIER_UNKNOWN
-            if full:
-                self.last_full_measure = now
-        # The policy is pure and runs right here, so it may read the live
-        # arrays; only what the worker thread reads later is copied (a region
-        # removed meanwhile shifts the live rows in place).
-        live = {name: getattr(t, name) for name in FIELDS}
-        plan, self.pstate = pol.plan(live, self.tier_states(), self.policy_cfg, self.pstate, now)
-        snap = {name: live[name].copy() for name in ("region", "index", "pid", "addr", "nbytes", "tier")}
-        move = np.zeros(n, dtype=bool)
-        src = snap["tier"].copy()
-        dst = np.full(n, TIER_UNKNOWN, dtype=np.int8)
-        plan_pos = np.full(n, -1, dtype=np.int64)
-        if len(plan):
-            move[plan.rows] = True
-            dst[plan.rows] = plan.dst
-            plan_pos[plan.rows] = np.arange(len(plan))
-        for regions, indices, tier in self.manual:
-            for rid in np.unique(regions):
-                s = t.slices.get(int(rid))
-                if s is None:
-                    continue
-                rows = indices[regions == rid].astype(np.int64) + s.start
-                move[rows] = True
-                dst[rows] = tier
-        self.manual.clear()
-        # A block already where it should be is not moved (manual no-ops).
-        move &= dst != src
-        if self.sources and self._targets_gen != self.registry.generation:
-            # Rows shifted since the sources last saw the table: re-target them
-            # now, so their next observations index this snapshot's rows.
-            for source in self.sources:
-                try:
-                    source.set_targets(t)
-                except (KvtierError, OSError) as e:
-                    log.warning("hotness source %s: set_targets failed: %s", source.name, e)
-            self._targets_gen = self.registry.generation
-        if not (move.any() or measure.any() or self.sources):
+            job = self._build_move(now)
+            if job is not None:
+                self._submit(self.mover, self._run_move, self._finish_move, job)
+        if not self.measurer.busy:
+            job = self._build_measure(now)
+            if job is not None:
+                self._submit(self.measurer, self._run_measure, self._finish_measure, job)
+        if self.sources and not self.collector.busy:
+            job = self._build_collect(now)
+            if job is not None:
+                self._submit(self.collector, self._run_collect, self._finish_collect, job)
+
+    def _submit(self, worker: _Worker, run, finish, job) -> None:
+        fut = worker.executor.submit(run, job)
+        worker.future = fut
+        loop = self.loop
+
+        def done(f: Future) -> None:
+            worker.future = None
+            exc = f.exception()
+            if exc is not None:
+                self.stats.tick_errors_total += 1
+                log.error("%s job failed: %r", worker.name, exc)
+                return
+            finish(job)
+
+        fut.add_done_callback(lambda f: loop.call_soon_threadsafe(done, f))
+
+    def _mark_stale(self, now: float) -> None:
+        """Blocks hinted since the last look that are not present or not
+        measured get F_STALE: their pages may have appeared. One vectorised
+        pass, and only in ticks that saw hints."""
+        hints = self.stats.block_hints_total
+        if hints == self._stale_hints:
+            self._stale_scan_at = now
+            return
+        t = self.table
+        recent = t.last_access > self._stale_scan_at
+        unsure = ((t.flags & np.uint8(F_NOT_PRESENT)) != 0) | (t.tier < 0)
+        t.flags[recent & unsure] |= np.uint8(F_STALE)
+        self._stale_hints = hints
+        self._stale_scan_at = now
+
+    # -- move --------------------------------------------------------------
+
+    def _build_move(self, now: float) -> MoveJob | None:
+        t = self.table
+        hints = self.stats.block_hints_total
+        gen = self.registry.generation
+        if not (self._dirty or self.manual or hints != self._plan_hints or gen != self._plan_gen
+                or now - self._last_plan >= IDLE_REPLAN_S):
             return None
-        return Job(
-            region=snap["region"], index=snap["index"], pid=snap["pid"], addr=snap["addr"],
-            nbytes=snap["nbytes"], measure=measure, move=move, src=src, dst=dst,
-            plan=plan if len(plan) else None, plan_pos=plan_pos, started=now, sources=list(self.sources),
+        self._dirty = False
+        self._plan_hints, self._plan_gen, self._last_plan = hints, gen, now
+        # Only blocks whose tier is known can be planned (the policy skips
+        # the others): plan over those rows alone, so a large table of
+        # never-touched blocks costs one pass here, not one per policy step.
+        # The policy is pure and runs right here, so it may read the live
+        # arrays; what the mover reads later is copied.
+        known = np.flatnonzero(t.tier >= 0)
+        if known.size == len(t):
+            live = {name: getattr(t, name) for name in FIELDS}
+            plan, self.pstate = pol.plan(live, self.tier_states(), self.policy_cfg, self.pstate, now)
+        else:
+            live = {name: getattr(t, name)[known] for name in FIELDS}
+            plan, self.pstate = pol.plan(live, self.tier_states(), self.policy_cfg, self.pstate, now)
+            if len(plan):
+                plan = replace(plan, rows=known[plan.rows])
+        rows = plan.rows.astype(np.int64)
+        dst = plan.dst.astype(np.int8)
+        pos = np.arange(len(plan), dtype=np.int64)
+        if self.manual:
+            m_rows, m_dst = [], []
+            for regions, indices, tier in self.manual:
+                r = t.rows_of(regions, indices)
+                r = r[r >= 0]
+                m_rows.append(r)
+                m_dst.append(np.full(r.size, tier, dtype=np.int8))
+            self.manual.clear()
+            mr = np.concatenate(m_rows)
+            md = np.concatenate(m_dst)
+            # the operator's move replaces the plan's for the same block; the
+            # last request for a block wins
+            _, last = np.unique(mr[::-1], return_index=True)
+            keep = mr.size - 1 - last
+            mr, md = mr[keep], md[keep]
+            in_plan = np.isin(rows, mr)
+            rows = np.concatenate([rows[~in_plan], mr])
+            dst = np.concatenate([dst[~in_plan], md])
+            pos = np.concatenate([pos[~in_plan], np.full(mr.size, -1, dtype=np.int64)])
+        src = t.tier[rows].copy()
+        # A block already where it should be is not moved (manual no-ops).
+        go = dst != src
+        rows, dst, pos, src = rows[go], dst[go], pos[go], src[go]
+        if len(plan):
+            self._dirty = True  # the plan may have been cut by its budget: look again next tick
+        if rows.size == 0:
+            return None
+        return MoveJob(
+            region=t.region[rows].astype(np.int64), index=t.index[rows].astype(np.int64), pid=t.pid[rows].copy(),
+            addr=t.addr[rows].copy(), nbytes=t.nbytes[rows].copy(), src=src, dst=dst,
+            plan=plan if len(plan) else None, plan_pos=pos, started=now,
         )
 
-    # -- worker thread ---------------------------------------------------
-
-    def _run(self, job: Job) -> Job:
-        """On the worker thread: only the migrator and the job's arrays."""
+    def _run_move(self, job: MoveJob) -> None:
+        """On the mover thread: only the migrator and the job's arrays."""
         t0 = time.monotonic()
+        m = self.migrator
         n = job.region.size
         job.ok = np.zeros(n, dtype=bool)
         job.unmovable = np.zeros(n, dtype=bool)
-        if job.move.any():
-            self._act(job)
-        if job.measure.any():
-            self._measure(job)
-        for source in job.sources:
-            try:
-                job.observations.append(source.collect(job.started))
-            except (KvtierError, OSError) as e:
-                log.warning("hotness source %s: collect failed: %s", source.name, e)
-        job.seconds = time.monotonic() - t0
-        return job
-
-    def _act(self, job: Job) -> None:
-        m = self.migrator
-        sel_all = np.flatnonzero(job.move)
-        keys = np.stack([job.pid[sel_all].astype(np.int64), job.src[sel_all].astype(np.int64),
-                         job.dst[sel_all].astype(np.int64)], axis=1)
-        for pid, src, dst in np.unique(keys, axis=0):
-            sel = sel_all[(keys[:, 0] == pid) & (keys[:, 1] == src) & (keys[:, 2] == dst)]
+        keys = np.stack([job.pid.astype(np.int64), job.src.astype(np.int64), job.dst.astype(np.int64)], axis=1)
+        uniq, inv = np.unique(keys, axis=0, return_inverse=True)
+        inv = inv.ravel()
+        order = np.argsort(inv, kind="stable")
+        cuts = np.flatnonzero(np.diff(inv[order])) + 1
+        for (pid, src, dst), sel in zip(uniq, np.split(order, cuts)):
             starts, lengths = job.addr[sel], job.nbytes[sel]
             try:
                 if self._is_swap(int(dst)):
@@ -363,76 +552,32 @@ class Engine:
                            dst=int(dst), blocks=int(sel.size), blocks_failed=int((~res.block_ok).sum()),
                            blocks_unmovable=int(res.block_unmovable.sum()),
                            errors=",".join(f"{k}:{v}" for k, v in sorted(res.errors.items())))
+        job.seconds = time.monotonic() - t0
 
-    def _measure(self, job: Job) -> None:
-        topo = self.topology
-        lut = topo.node_tier_lut()
-        ntiers = len(topo.tiers)
-        swap = topo.swap_tier
-        job.measured_tier = np.full(job.region.size, TIER_UNKNOWN, dtype=np.int8)
-        job.present = np.zeros(job.region.size, dtype=bool)
-        sel_all = np.flatnonzero(job.measure)
-        pids = job.pid[sel_all]
-        for pid in np.unique(pids):
-            sel = sel_all[pids == pid]
-            try:
-                r = self.migrator.residency(int(pid), job.addr[sel], job.nbytes[sel])
-            except (KvtierError, OSError) as e:
-                log.debug("residency of pid %d: %s", pid, e)
-                continue
-            # Pages per tier; a block belongs to the tier holding most of its pages
-            # (the next move takes all of its pages there).
-            per_tier = np.zeros((sel.size, ntiers + 1), dtype=np.int64)
-            nodes = min(r.node_pages.shape[1], lut.size)
-            for node in range(nodes):
-                if lut[node] >= 0:
-                    per_tier[:, lut[node]] += r.node_pages[:, node]
-            if swap is not None:
-                per_tier[:, swap.index] += r.swapped
-            total = per_tier.sum(axis=1)
-            dom = per_tier.argmax(axis=1)
-            job.present[sel] = total > 0
-            job.measured_tier[sel] = np.where(total > 0, dom, TIER_UNKNOWN)
-        self.stats.residency_scans_total += 1
-
-    # -- back on the loop thread -----------------------------------------
-
-    def _rows_now(self, job: Job) -> np.ndarray:
-        """Current table row of each job block, -1 where its region is gone."""
-        rows = np.full(job.region.size, -1, dtype=np.int64)
-        for rid in np.unique(job.region):
-            s = self.table.slices.get(int(rid))
-            if s is not None:
-                sel = job.region == rid
-                rows[sel] = job.index[sel].astype(np.int64) + s.start
-        return rows
-
-    def _finish(self, job: Job, fut: Future) -> None:
-        self.future = None
-        self.job = None
-        exc = fut.exception()
-        if exc is not None:
-            self.stats.tick_errors_total += 1
-            log.error("migration job failed: %r", exc)
-            return
+    def _finish_move(self, job: MoveJob) -> None:
         st = self.stats
         st.observe_migration(job.seconds)
-        rows = self._rows_now(job)
+        t = self.table
+        rows = t.rows_of(job.region, job.index)
         live = rows >= 0
         now = self.clock()
-        mv = np.flatnonzero(job.move & live)
+        self._dirty = True
+        mv = np.flatnonzero(live)
         if mv.size:
-            pol.record_results(self.table, rows[mv], job.ok[mv], job.unmovable[mv], now,
-                               self.policy_cfg, dst=job.dst[mv])
+            pol.record_results(t, rows[mv], job.ok[mv], job.unmovable[mv], now, self.policy_cfg, dst=job.dst[mv])
+            # A failed or partial move leaves pages wherever they are: measure.
+            t.flags[rows[mv][~job.ok[mv]]] |= np.uint8(F_STALE)
             okm = job.ok[mv]
             pairs = np.stack([job.src[mv], job.dst[mv]], axis=1)[okm].astype(np.int64)
-            nb = job.nbytes[mv][okm]
+            nb = job.nbytes[mv][okm].astype(np.int64)
             if pairs.size:
                 uniq, inv = np.unique(pairs, axis=0, return_inverse=True)
                 inv = inv.ravel()
+                counts = np.bincount(inv, minlength=len(uniq))
+                nbytes = np.bincount(inv, weights=nb, minlength=len(uniq))
                 for k, (s, d) in enumerate(uniq):
-                    st.migrations[(int(s), int(d))] += int((inv == k).sum())
-                    st.migrated_bytes[(int(s), int(d))] += int(nb[inv == k].sum())
+                    st.migrations[(int(s), int(d))] += int(counts[k])
+                    st.migrated_bytes[(int(s), int(d))] += int(nbytes[k])
         for key, n in job.failures.items():
             st.migration_failures[key] += n
         if job.plan is not None:
@@ -440,39 +585,317 @@ class Engine:
             has = job.plan_pos >= 0
             ok_plan[job.plan_pos[has]] = job.ok[has] & live[has]
             self.pstate = pol.refund(self.pstate, job.plan, ok_plan, self.policy_cfg)
-        for obs in job.observations:
-            if len(obs):
-                r = rows[obs.rows]
-                ok = r >= 0
-                self.temperature.add(self.table, r[ok], obs.counts[ok], now, obs.weight)
-        if job.measured_tier is not None:
-            ms = np.flatnonzero(job.measure & live)
+
+    # -- measure -----------------------------------------------------------
+
+    def _build_measure(self, now: float) -> MeasureJob | None:
+        """Stale blocks in full, then the rotating sample, within the budget.
+
+        The budget is in pages (one move_pages status each, plus a pagemap
+        entry for full blocks): what a pass costs the kernel and us. At the
+        default 65,536 pages/s that is a few ms of CPU per second whatever
+        is registered; the sample then takes longer than
+        ``residency_interval`` to visit every block of a very large table.
+        """
+        t = self.table
+        n = len(t)
+        ps = int(self.migrator.page_size)
+        dt = 1.0 if self._last_measure_at is None else min(MAX_BUDGET_S, max(0.0, now - self._last_measure_at))
+        self._last_measure_at = now
+        urgent = self._urgent
+        budget = URGENT_JOB_PAGES if urgent else self.residency_pages_per_s * dt
+        # 1. stale blocks, whole, in row order from a cursor; at most 3/4 of
+        #    the budget so the rotating sample always advances
+        full_rows = np.zeros(0, dtype=np.int64)
+        stale = np.flatnonzero(t.flags & np.uint8(F_STALE))
+        if stale.size:
+            k0 = int(np.searchsorted(stale, self._stale_cursor))
+            stale = np.concatenate([stale[k0:], stale[:k0]])
+            pages = (t.nbytes[stale].astype(np.int64) + ps - 1) // ps
+            cap = budget if urgent else 0.75 * budget
+            k = max(1, int(np.searchsorted(np.cumsum(pages), cap, side="right")))
+            full_rows = stale[:k]
+            self._stale_cursor = int(full_rows[-1]) + 1
+            budget -= float(pages[:k].sum())
+            if urgent and k == stale.size:
+                self._urgent = False
+        elif urgent:
+            self._urgent = False
+        # 2. the rotating sample: the next blocks after the cursor, a window
+        #    of sample pages each, so every block is looked at once per
+        #    residency_interval when the budget allows
+        S = max(1, int(self.residency_sample_pages))
+        want = max(math.ceil(n * dt / self.residency_interval), MIN_SAMPLE_BLOCKS) if not urgent else 0
+        k2 = int(max(0, min(n, want, budget // S)))
+        win_rows = np.zeros(0, dtype=np.int64)
+        if k2:
+            c = self._cursor % n
+            if self._pass_started is None:
+                self._pass_started = now
+            win_rows = (c + np.arange(k2, dtype=np.int64)) % n
+            self._cursor = c + k2
+            if self._cursor >= n:
+                self._cursor %= n
+                self.stats.residency_passes_total += 1
+                self.stats.residency_pass_seconds = now - self._pass_started
+                self._pass_started = now
+            if self.migrator.dry_run:
+                # A dry run pretends its moves: sampling known blocks would
+                # see the real pages and undo the pretence every pass.
+                win_rows = win_rows[t.tier[win_rows] < 0]
+            if full_rows.size:
+                win_rows = win_rows[~np.isin(win_rows, full_rows)]
+        rows = np.concatenate([full_rows, win_rows])
+        if rows.size == 0:
+            return None
+        full = np.zeros(rows.size, dtype=bool)
+        full[: full_rows.size] = True
+        addr = t.addr[rows].copy()
+        nbytes = t.nbytes[rows].copy()
+        # window: S consecutive pages from a random page of each block (short
+        # blocks repeat their last page, which does not change the majority)
+        npages = np.maximum(1, nbytes.astype(np.int64) // ps)
+        first = (self._rng.random(rows.size) * np.maximum(1, npages - S + 1)).astype(np.int64)
+        page = np.minimum(first[:, None] + np.arange(S, dtype=np.int64)[None, :], npages[:, None] - 1)
+        window = addr[:, None] - addr[:, None] % np.uint64(ps) + page.astype(np.uint64) * np.uint64(ps)
+        topo = self.topology
+        swap = topo.swap_tier
+        return MeasureJob(
+            region=t.region[rows].astype(np.int64), index=t.index[rows].astype(np.int64), pid=t.pid[rows].copy(),
+            addr=addr, nbytes=nbytes, full=full, window=window, lut=topo.node_tier_lut(),
+            ntiers=len(topo.tiers), swap_index=None if swap is None else swap.index, started=now,
+        )
+
+    def _run_measure(self, job: MeasureJob) -> None:
+        t0 = time.monotonic()
+        nb = job.region.size
+        lut = job.lut
+        ntiers = job.ntiers
+        job.measured_tier = np.full(nb, TIER_UNKNOWN, dtype=np.int8)
+        job.present = np.zeros(nb, dtype=bool)
+        job.window_tier = np.full(nb, TIER_UNKNOWN, dtype=np.int8)
+        pages = 0
+        for pid in np.unique(job.pid):
+            mine = job.pid == pid
+            sel = np.flatnonzero(mine & job.full)
+            if sel.size:
+                try:
+                    r = self.migrator.residency(int(pid), job.addr[sel], job.nbytes[sel])
+                except (KvtierError, OSError) as e:
+                    log.debug("residency of pid %d: %s", pid, e)
+                else:
+                    pages += int(r.pages.sum())
+                    # Pages per tier; a block belongs to the tier holding most of
+                    # its pages (the next move takes all of its pages there).
+                    per_tier = np.zeros((sel.size, ntiers + 1), dtype=np.int64)
+                    nodes = min(r.node_pages.shape[1], lut.size)
+                    for node in range(nodes):
+                        if lut[node] >= 0:
+                            per_tier[:, lut[node]] += r.node_pages[:, node]
+                    if job.swap_index is not None:
+                        per_tier[:, job.swap_index] += r.swapped
+                    total = per_tier.sum(axis=1)
+                    job.present[sel] = total > 0
+                    job.measured_tier[sel] = np.where(total > 0, per_tier.argmax(axis=1), TIER_UNKNOWN)
+            sel = np.flatnonzero(mine & ~job.full)
+            if sel.size:
+                addrs = job.window[sel]
+                try:
+                    status = self.migrator.query_nodes(int(pid), addrs.ravel()).reshape(addrs.shape)
+                except (KvtierError, OSError) as e:
+                    log.debug("sampled residency of pid %d: %s", pid, e)
+                    continue
+                pages += int(status.size)
+                on = (status >= 0) & (status < lut.size)
+                tier = np.where(on, lut[np.where(on, status, 0)], -1)
+                ok = tier >= 0
+                counts = np.zeros((sel.size, ntiers + 1), dtype=np.int64)
+                bi = np.broadcast_to(np.arange(sel.size)[:, None], tier.shape)
+                np.add.at(counts, (bi[ok], tier[ok]), 1)
+                job.window_tier[sel] = np.where(counts.sum(axis=1) > 0, counts.argmax(axis=1), TIER_UNKNOWN)
+        job.pages = pages
+        job.seconds = time.monotonic() - t0
+
+    def _finish_measure(self, job: MeasureJob) -> None:
+        st = self.stats
+        st.residency_scans_total += 1
+        st.residency_seconds_sum += job.seconds
+        st.residency_pages_total += job.pages
+        st.residency_blocks_total += int(job.region.size)
+        st.residency_full_blocks_total += int(job.full.sum())
+        t = self.table
+        rows = t.rows_of(job.region, job.index)
+        # A move that finished after this measurement started knows better.
+        live = rows >= 0
+        live[live] = t.last_move[rows[live]] < job.started
+        flags = t.flags
+        ms = np.flatnonzero(job.full & live)
+        if ms.size:
             r = rows[ms]
             measured = job.measured_tier[ms]
             pres = job.present[ms]
-            swap = self.topology.swap_tier
-            if swap is not None:
+            if job.swap_index is not None:
                 # Swapped-out shared memory (MAP_SHARED, memfd, shm) has no swap
                 # PTE, so pagemap shows it as never touched; a block we know is
                 # in swap stays there until a page of it shows up again.
-                keep = ~pres & (self.table.tier[r] == swap.index)
-                measured = np.where(keep, np.int8(swap.index), measured)
+                keep = ~pres & (t.tier[r] == job.swap_index)
+                measured = np.where(keep, np.int8(job.swap_index), measured)
                 pres = pres | keep
-            self.table.tier[r] = measured
-            flags = self.table.flags
+            if (t.tier[r] != measured).any() or ((flags[r] & np.uint8(F_NOT_PRESENT)) != 0).any():
+                self._dirty = True
+            t.tier[r] = measured
             flags[r[pres]] &= np.uint8(~F_NOT_PRESENT & 0xFF)
             flags[r[~pres]] |= np.uint8(F_NOT_PRESENT)
+            flags[r] &= np.uint8(~F_STALE & 0xFF)
+        ws = np.flatnonzero(~job.full & live)
+        if ws.size:
+            r = rows[ws]
+            wt = job.window_tier[ws]
+            # The sample is only evidence that something changed: pages where
+            # the table says none are, or most sampled pages in another tier.
+            # Those blocks are measured in full next (a window that found no
+            # page says nothing: sparse blocks have untouched windows).
+            off = (wt >= 0) & ((t.tier[r] != wt) | ((flags[r] & np.uint8(F_NOT_PRESENT)) != 0))
+            flags[r[off]] |= np.uint8(F_STALE)
+            # A block never placed until now takes the window's tier at once
+            # (plannable this tick; the whole-block measurement follows).
+            new = off & (t.tier[r] < 0)
+            if new.any():
+                t.tier[r[new]] = wt[new]
+                flags[r[new]] &= np.uint8(~F_NOT_PRESENT & 0xFF)
+                self._dirty = True
+
+    # -- collect -----------------------------------------------------------
+
+    def _hinted(self) -> frozenset[int]:
+        """Regions whose owner sends hints (recomputed only when hints or
+        registrations changed)."""
+        key = (self.stats.block_hints_total, self.registry.generation)
+        if key != self._hinted_at:
+            self._hinted_regions = frozenset(rid for rid, r in self.registry.regions.items() if r.block_hints)
+            self._hinted_at = key
+        return self._hinted_regions
+
+    def _retarget(self) -> None:
+        """Point the sources at the table as it is now. A source that says
+        ``skip_hinted`` (DAMON) is not run over regions whose owner hints:
+        the hints already say exactly which blocks are read."""
+        t = self.table
+        hinted = self._hinted()
+        if self._targets_gen == self.registry.generation and self._targets_hinted == hinted:
+            return
+        unhinted = None
+        if hinted:
+            unhinted = np.flatnonzero(~np.isin(t.region, np.fromiter(hinted, dtype=np.int64)))
+        for source in self.sources:
+            try:
+                if getattr(source, "skip_hinted", False):
+                    source.set_targets(t, rows=unhinted)
+                else:
+                    source.set_targets(t)
+            except (KvtierError, OSError) as e:
+                log.warning("hotness source %s: set_targets failed: %s", source.name, e)
+        self._targets_gen = self.registry.generation
+        self._targets_hinted = hinted
+        self._targets_slices = dict(t.slices)
+
+    def _build_collect(self, now: float) -> CollectJob | None:
+        self._retarget()
+        due = []
+        for source in self.sources:
+            p = self.pace[source.name]
+            if p.skip > 0:
+                p.skip -= 1
+                continue
+            p.skip = p.slowdown - 1
+            due.append(source)
+        if not due:
+            return None
+        return CollectJob(due, self._targets_slices, self._targets_gen, started=now)
+
+    def _run_collect(self, job: CollectJob) -> None:
+        for source in job.sources:
+            c0 = time.thread_time()
+            try:
+                job.observations.append(source.collect(job.started))
+            except (KvtierError, OSError) as e:
+                log.warning("hotness source %s: collect failed: %s", source.name, e)
+            kernel = source.kernel_cpu_seconds() if hasattr(source, "kernel_cpu_seconds") else None
+            job.cost[source.name] = (time.thread_time() - c0, kernel)
+
+    def _finish_collect(self, job: CollectJob) -> None:
+        t = self.table
+        now = self.clock()
+        for obs in job.observations:
+            if not len(obs):
+                continue
+            if job.generation == self.registry.generation:
+                r = obs.rows
+            else:  # rows shifted since the sources were targeted
+                r = t.rows_of(*_keys_of(job.slices, obs.rows))
+            ok = (r >= 0) & (r < len(t))
+            r = r[ok]
+            self.temperature.add(t, r, obs.counts[ok], now, obs.weight)
+            # seen accessed while the table says not present: measure it
+            unsure = r[((t.flags[r] & np.uint8(F_NOT_PRESENT)) != 0) | (t.tier[r] < 0)]
+            t.flags[unsure] |= np.uint8(F_STALE)
+            self._dirty = True
+        for source in job.sources:
+            self._pace(source, job.cost.get(source.name, (0.0, None)), now)
+
+    def _pace(self, source, cost: tuple[float, float | None], now: float) -> None:
+        """Per-source cost control: share of one core = (CPU in collect +
+        its kernel thread's CPU) / wall time since its last collect. Above
+        the budget the source slows down x2 (collected every 2nd, 4th ...
+        tick, and sampling less often where it can: DAMON's intervals);
+        below half the budget it speeds up again. Multiplicative steps
+        because the cost of a source scales with its rate."""
+        p = self.pace[source.name]
+        cpu, kernel = cost
+        p.cpu_s += cpu
+        self.stats.source_cpu_seconds[source.name] += cpu
+        spent = cpu
+        if kernel is not None:
+            if p.last_kernel is not None and kernel >= p.last_kernel:
+                p.kernel_s += kernel - p.last_kernel
+                self.stats.source_kernel_seconds[source.name] += kernel - p.last_kernel
+                spent += kernel - p.last_kernel
+            p.last_kernel = kernel
+        p.collects += 1
+        if p.last_at is not None and now > p.last_at:
+            p.share = spent / (now - p.last_at)
+            old = p.slowdown
+            if p.share > self.source_cpu_budget and p.slowdown < MAX_SLOWDOWN:
+                p.slowdown *= 2
+            elif p.share < self.source_cpu_budget / 2 and p.slowdown > 1:
+                p.slowdown //= 2
+            if p.slowdown != old:
+                p.skip = p.slowdown - 1
+                if hasattr(source, "set_slowdown"):
+                    try:
+                        source.set_slowdown(p.slowdown)
+                    except (KvtierError, OSError) as e:
+                        log.warning("hotness source %s: set_slowdown failed: %s", source.name, e)
+                logs.event(log, "source_backoff" if p.slowdown > old else "source_speedup",
+                           logging.WARNING if p.slowdown > old else logging.INFO, source=source.name,
+                           slowdown=p.slowdown, core_share=round(p.share, 4), budget=self.source_cpu_budget)
+            self.stats.source_slowdown[source.name] = p.slowdown
+        p.last_at = now
+
+    # -- lifecycle ---------------------------------------------------------
 
     def wait_idle(self, timeout: float | None = None) -> None:
-        fut = self.future
-        if fut is not None:
-            try:
-                fut.result(timeout)
-            except Exception:
-                pass
+        for w in (self.mover, self.measurer, self.collector):
+            fut = w.future
+            if fut is not None:
+                try:
+                    fut.result(timeout)
+                except Exception:
+                    pass
 
     def shutdown(self) -> None:
-        self.executor.shutdown(wait=True, cancel_futures=True)
+        for w in (self.mover, self.measurer, self.collector):
+            w.executor.shutdown(wait=True, cancel_futures=True)
         for source in self.sources:
             try:
                 source.close()

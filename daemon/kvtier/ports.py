@@ -71,6 +71,9 @@ class MigratorPort(Protocol):
     the engine's worker thread only."""
 
     dry_run: bool
+    page_size: int
+
+    def query_nodes(self, pid: int, addrs: np.ndarray) -> np.ndarray: ...
 
     def residency(self, pid: int, starts: np.ndarray, lengths: np.ndarray | int) -> ResidencyView: ...
 

@@ -100,9 +100,20 @@ class DaemonStats:
     migration_failures: collections.Counter = field(default_factory=collections.Counter)  # (src, dst, errno) -> n
     migration_seconds_sum: float = 0.0
     migration_seconds_hist: Histogram = field(default_factory=lambda: Histogram(MIGRATION_BUCKETS))
-    residency_scans_total: int = 0
     # tier_added, tier_removed, rediscovered, rediscover_failed (kernel/uevents.TopologyFollower)
     topology_events: collections.Counter = field(default_factory=collections.Counter)
+    residency_scans_total: int = 0  # measuring jobs
+    residency_seconds_sum: float = 0.0  # measuring thread's wall time in them
+    residency_pages_total: int = 0  # pages whose placement was asked (sampled or whole blocks)
+    residency_blocks_total: int = 0  # blocks looked at (sampled or whole)
+    residency_full_blocks_total: int = 0  # of those, measured page by page
+    residency_passes_total: int = 0  # times the rotating sample went round the table
+    residency_pass_seconds: float = 0.0  # how long the last round took
+    # hotness sources: CPU of the daemon in collect, of their kernel threads
+    # (kdamond), and their current slowdown (1 = every tick)
+    source_cpu_seconds: collections.Counter = field(default_factory=collections.Counter)
+    source_kernel_seconds: collections.Counter = field(default_factory=collections.Counter)
+    source_slowdown: collections.Counter = field(default_factory=collections.Counter)
     config_reloads_total: int = 0
     config_reload_errors_total: int = 0
 

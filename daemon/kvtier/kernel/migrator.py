@@ -197,10 +197,13 @@ class Migrator:
         self.page_size = page_size
         self.max_node = native.numa_max_node() if max_node is None else max_node
         self.record: list[dict] = []
-        # One operation at a time: the migrator's scratch buffers are shared,
-        # and two concurrent move_pages on one process only contend in the kernel.
+        # One move at a time: two concurrent move_pages on one process only
+        # contend in the kernel. Measuring (residency, query_nodes) runs on
+        # its own thread beside the moves, so that a long move never delays
+        # the measurement hinted promotions wait for: the scratch buffers are
+        # therefore per thread.
         self._lock = threading.Lock()
-        self._scratch: dict[str, np.ndarray] = {}
+        self._local = threading.local()
 
     def _buf(self, name: str, n: int, dtype) -> np.ndarray:
         """A reusable array of at least ``n`` items.
@@ -209,10 +212,13 @@ class Migrator:
         which at 64K+ pages per batch is a sizeable share of the syscall
         time itself; reusing the buffers removes it.
         """
-        buf = self._scratch.get(name)
+        scratch = getattr(self._local, "bufs", None)
+        if scratch is None:
+            scratch = self._local.bufs = {}
+        buf = scratch.get(name)
         if buf is None or len(buf) < n or buf.dtype != dtype:
             buf = np.empty(max(n, 1024), dtype=dtype)
-            self._scratch[name] = buf
+            scratch[name] = buf
         return buf[:n]
 
     def _layout(self, starts, lengths) -> PageLayout:
@@ -238,9 +244,17 @@ class Migrator:
                 entries[first : first + n] = pm.read(start, n, self.page_size)
         return entries
 
-    @_locked
+    def query_nodes(self, pid: int, addrs: np.ndarray) -> np.ndarray:
+        """Node of each page address (move_pages query), or -errno (-ENOENT:
+        not present). No pagemap read: the engine's sampled residency only
+        needs to notice that a block is not where the table says."""
+        addrs = np.ascontiguousarray(addrs, dtype=np.uint64)
+        return self._status(pid, addrs, out=np.empty(len(addrs), dtype=np.int32))
+
     def residency(self, pid: int, starts: np.ndarray, lengths: np.ndarray | int) -> Residency:
-        """Pages per node, swapped and never-touched pages, for each block."""
+        """Pages per node, swapped and never-touched pages, for each block.
+
+        Not serialised with moves (queries only; its buffers are per thread)."""
         layout = self._layout(starts, lengths)
         nb = len(layout.pages)
         nn = self.max_node + 1

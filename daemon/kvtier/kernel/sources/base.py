@@ -105,21 +105,25 @@ class BlockIndex:
     for a whole array of addresses at once.
     """
 
-    def __init__(self, table: BlockTable):
-        n = len(table)
-        pid = table.pid[:n]
-        addr = table.addr[:n]
+    def __init__(self, table: BlockTable, rows: np.ndarray | None = None):
+        """Index all blocks, or only ``rows`` (the blocks a source is to watch)."""
+        if rows is None:
+            rows = np.arange(len(table), dtype=np.int64)
+        rows = np.asarray(rows, dtype=np.int64)
+        n = rows.size
+        pid = table.pid[rows]
+        addr = table.addr[rows]
         order = np.lexsort((addr, pid))
-        self.rows = order.astype(np.int64)
+        self.rows = rows[order]
         self.starts = addr[order].astype(np.uint64)
-        self.ends = self.starts + table.nbytes[:n][order].astype(np.uint64)
-        self.region = table.region[:n][order]
+        self.ends = self.starts + table.nbytes[self.rows].astype(np.uint64)
+        self.region = table.region[self.rows]
         p = pid[order]
         cuts = np.flatnonzero(np.diff(p)) + 1
         bounds = np.concatenate(([0], cuts, [n])).astype(np.int64)
         self._span: dict[int, tuple[int, int]] = {
             int(p[bounds[i]]): (int(bounds[i]), int(bounds[i + 1])) for i in range(len(bounds) - 1)
-        }
+        } if n else {}
 
     def __len__(self) -> int:
         return int(self.rows.size)
@@ -170,8 +174,12 @@ class BlockIndex:
         rows = np.asarray(rows, dtype=np.int64)
         if rows.size == 0 or k <= 0:
             return _EMPTY_ROWS
-        pos = np.empty(self.rows.size, dtype=np.int64)
+        if self.rows.size == 0:
+            return _EMPTY_ROWS
+        # position of each table row in the index (-1: not indexed)
+        pos = np.full(max(int(self.rows.max()), int(rows.max())) + 1, -1, dtype=np.int64)
         pos[self.rows] = np.arange(self.rows.size)
+        rows = rows[pos[rows] >= 0]
         p = pos[rows][:, None] + np.arange(1, k + 1)[None, :]
         p = p.ravel()
         ok = p < self.rows.size

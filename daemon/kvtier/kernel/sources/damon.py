@@ -83,6 +83,7 @@ UINT_MAX = (1 << 32) - 1
 # vaddr re-derives target regions from the whole address space every
 # update_us (see the module docstring); 2^40 us is about 12.7 days.
 UPDATE_NEVER_US = 1 << 40
+CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,10 @@ class TriedRegion:
 
 class DamonSource(Source):
     name = "damon"
+    # Not run over regions whose owner hints (the engine passes the other
+    # rows to set_targets): the hints already say which blocks are read, and
+    # a kdamond watching them only costs CPU.
+    skip_hinted = True
 
     def __init__(
         self,
@@ -135,6 +140,9 @@ class DamonSource(Source):
         self.index: BlockIndex | None = None
         self.targets: list[tuple[int, np.ndarray]] = []  # (pid, ranges) in kdamond target order
         self.last_regions: dict[int, list[TriedRegion]] = {}  # per pid, from the last collect
+        self.slowdown = 1  # sample and aggregation intervals x this (engine's cost control)
+        self._kernel_done = 0.0  # CPU seconds of kdamonds that have stopped
+        self._kdamond: tuple[int, float] | None = None  # (pid, CPU seconds last read)
 
     # -- probe ----------------------------------------------------------------
 
@@ -171,8 +179,9 @@ class DamonSource(Source):
 
     # -- configuration ----------------------------------------------------------
 
-    def set_targets(self, table: BlockTable) -> None:
-        self.index = BlockIndex(table)
+    def set_targets(self, table: BlockTable, rows: np.ndarray | None = None) -> None:
+        """Watch the table's blocks (only ``rows`` when given; none stops the kdamond)."""
+        self.index = BlockIndex(table, rows)
         targets = []
         for pid in self.index.pids:
             if not os.path.exists(os.path.join(self.proc_root, str(pid))):
@@ -201,11 +210,51 @@ class DamonSource(Source):
         io.write(NR_KDAMONDS, 1)
         io.write(NR_CONTEXTS, 1)
         io.write(OPERATIONS, OPS_VADDR)
-        io.write(f"{INTERVALS}/sample_us", p.sample_us)
-        io.write(f"{INTERVALS}/aggr_us", p.aggr_us)
-        io.write(f"{INTERVALS}/update_us", p.update_us)
+        self._write_intervals()
         io.write(f"{NR_REGIONS}/min", p.min_nr_regions)
         io.write(f"{NR_REGIONS}/max", p.max_nr_regions)
+
+    def _write_intervals(self) -> None:
+        io, p, f = self.io, self.params, self.slowdown
+        io.write(f"{INTERVALS}/sample_us", p.sample_us * f)
+        io.write(f"{INTERVALS}/aggr_us", p.aggr_us * f)
+        io.write(f"{INTERVALS}/update_us", max(p.update_us, p.aggr_us * f))
+
+    def set_slowdown(self, factor: int) -> None:
+        """Sample ``factor`` times less often (the kdamond's CPU is about
+        proportional to samples per second); applied to a running kdamond
+        with a commit, which keeps its region history."""
+        factor = max(1, int(factor))
+        if factor == self.slowdown:
+            return
+        self.slowdown = factor
+        if self.running:
+            self._write_intervals()
+            self.io.write(STATE, COMMIT)
+
+    def kernel_cpu_seconds(self) -> float:
+        """CPU time of the kdamond(s) this source has run (utime + stime)."""
+        pid = None
+        if self.running and not self.io.dry_run:
+            try:
+                pid = self.io.read_int(KDAMOND_PID)
+            except (KvtierOSError, ValueError):
+                pid = None
+        cpu = None
+        if pid and pid > 0:
+            try:
+                with open(os.path.join(self.proc_root, str(pid), "stat")) as f:
+                    rest = f.read().rsplit(")", 1)[1].split()
+                cpu = (int(rest[11]) + int(rest[12])) / CLK_TCK
+            except (OSError, IndexError, ValueError):
+                cpu = None
+        last = self._kdamond
+        if last is not None and (cpu is None or last[0] != pid):
+            self._kernel_done += last[1]  # that kdamond is gone: keep what it used
+            self._kdamond = None
+        if cpu is not None:
+            self._kdamond = (pid, cpu)
+        return self._kernel_done + (self._kdamond[1] if self._kdamond else 0.0)
 
     def _write_targets(self) -> None:
         io = self.io
