@@ -9,10 +9,15 @@
         tiers = region.query()          # numpy int8, one tier per block
         region.unregister()             # or leave the `with region:` block
 
-Blocking I/O on one socket, no background thread (an inference engine's
-process should not grow threads behind its back). Hints are pipelined: they
-are sent without waiting, and their answers are collected with the next
-synchronous call, so hinting costs one ``send`` per batch. If the daemon
+Blocking I/O on one socket for calls, no background thread (an inference
+engine's process should not grow threads behind its back). Hints never
+block the engine: ``hint`` appends to a batch; a full or old batch is sent
+with non-blocking writes (what the socket cannot take now stays queued and
+goes with the next batch), answers are read when they have arrived, and
+errors surface later in ``async_errors`` / ``flush()``. If the daemon is so
+far behind that more than ``hint_queue_max`` block hints queue up, the
+oldest batches are dropped and counted in ``hints_dropped`` (hints are
+advisory; blocking a decode step for them is worse). If the daemon
 restarts, the next call reconnects (waiting up to ``reconnect_timeout``) and
 retries; the daemon re-adopts registrations from its state file, so region
 handles stay valid.
@@ -20,6 +25,7 @@ handles stay valid.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import errno as _errno
 import mmap
@@ -131,7 +137,7 @@ class Region:
         self.length = length
         self._keepalive = keepalive  # the buffer must outlive the registration
         self._blocks: list[np.ndarray] = []
-        self._counts: list[np.ndarray] = []
+        self._counts: list[np.ndarray | None] = []  # None: one access each
         self._pending = 0
         self._first_pending = 0.0
         self.closed = False
@@ -162,36 +168,50 @@ class Region:
     def hint(self, blocks: Iterable[int] | np.ndarray, counts: Iterable[int] | np.ndarray | None = None) -> None:
         """Record accesses to blocks; sent once ``hint_batch`` block hints are
         pending or the oldest is ``hint_interval`` seconds old."""
-        b = np.asarray(blocks, dtype=protocol.BLOCKS_DTYPE).ravel()
+        # The engine calls this every decode step: a copy into the batch and a
+        # clock read, nothing else (no counts array when counts is None).
+        b = np.array(blocks, dtype=protocol.BLOCKS_DTYPE).ravel()
         if not b.size:
             return
-        c = (np.ones(b.size, dtype=protocol.COUNTS_DTYPE) if counts is None
-             else np.asarray(counts, dtype=protocol.COUNTS_DTYPE).ravel())
-        if c.size != b.size:
-            raise ValueError(f"{c.size} counts for {b.size} blocks")
+        c = None
+        if counts is not None:
+            c = np.array(counts, dtype=protocol.COUNTS_DTYPE).ravel()
+            if c.size != b.size:
+                raise ValueError(f"{c.size} counts for {b.size} blocks")
+        now = time.monotonic()
         if not self._pending:
-            self._first_pending = time.monotonic()
+            self._first_pending = now
         self._blocks.append(b)
         self._counts.append(c)
         self._pending += b.size
         cl = self.client
-        if self._pending >= cl.hint_batch or time.monotonic() - self._first_pending >= cl.hint_interval:
+        if self._pending >= cl.hint_batch or now - self._first_pending >= cl.hint_interval:
             self.flush()
 
+    def _take(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """The pending hints as one array of blocks and of counts (None: all 1)."""
+        bs, cs = self._blocks, self._counts
+        self._blocks, self._counts, self._pending = [], [], 0
+        b = bs[0] if len(bs) == 1 else np.concatenate(bs)
+        if all(c is None for c in cs):
+            return b, None
+        c = np.concatenate([np.ones(x.size, dtype=protocol.COUNTS_DTYPE) if y is None else y for x, y in zip(bs, cs)])
+        return b, c
+
     def flush(self) -> None:
+        """Send the pending hints now (without waiting for the daemon)."""
         if not self._pending:
             return
-        b = self._blocks[0] if len(self._blocks) == 1 else np.concatenate(self._blocks)
-        c = self._counts[0] if len(self._counts) == 1 else np.concatenate(self._counts)
-        self._blocks, self._counts, self._pending = [], [], 0
+        b, c = self._take()
         # Stay under the daemon's frame limit: 8 bytes per entry (index +
         # count) plus a little for the map around them.
         limit = self.client.server.get("max_message_bytes", protocol.DEFAULT_MAX_MESSAGE)
         step = max(1, (limit - 256) // 8)
         for i in range(0, b.size, step):
-            cb, cc = b[i : i + step], c[i : i + step]
-            counts = None if bool((cc == 1).all()) else cc.tobytes()  # absent = 1 each
-            self.client._send_async(protocol.Hint(region=self.id, blocks=cb.tobytes(), counts=counts))
+            cb = b[i : i + step]
+            cc = None if c is None else c[i : i + step]
+            counts = None if cc is None or bool((cc == 1).all()) else cc.tobytes()  # absent = 1 each
+            self.client._send_hint(protocol.Hint(region=self.id, blocks=cb.tobytes(), counts=counts), int(cb.size))
 
     def phase(self, phase: str, blocks: Iterable[int] | np.ndarray | None = None) -> int:
         """"prefill_done" (blocks now read-only: demotion candidates), "active"
@@ -236,6 +256,7 @@ class Client:
         reconnect_timeout: float = 30.0,
         hint_batch: int = 65536,
         hint_interval: float = 0.05,
+        hint_queue_max: int = 1 << 22,
         name: str = "",
         connect: bool = True,
     ):
@@ -244,6 +265,13 @@ class Client:
         self.reconnect_timeout = reconnect_timeout
         self.hint_batch = hint_batch
         self.hint_interval = hint_interval
+        self.hint_queue_max = hint_queue_max
+        self.hints_dropped = 0  # block hints dropped because the daemon fell that far behind
+        # Encoded hint frames not yet written (the socket was full): (frame,
+        # request id, block hints in it, op).
+        self._hint_queue: collections.deque[tuple[bytes, int, int, str]] = collections.deque()
+        self._hint_queued = 0
+        self._wpartial = b""  # the unsent tail of a frame a non-blocking write cut short
         self.name = name or f"python pid {os.getpid()}"
         self.sock: socket.socket | None = None
         self.server: dict = {}
@@ -269,6 +297,8 @@ class Client:
         self.sock = s
         self._rbuf.clear()
         self._in_flight.clear()
+        self._wpartial = b""
+        self.server = {}
         self.server = self._call_once(protocol.Hello(client=self.name))
 
     def _reconnect(self) -> None:
@@ -315,8 +345,111 @@ class Client:
         req.id = rid
         if self.sock is None:
             raise ConnectionResetError(_errno.ENOTCONN, "not connected")
+        if self.server:  # after hello: frames stay in order, queued hints first
+            self._push_hints(block=True)
         self.sock.sendall(protocol.encode_request(req))
         return rid
+
+    # -- hints: never blocking the engine ----------------------------------
+
+    def _send_hint(self, req: protocol.Hint, nblocks: int) -> None:
+        """Queue one hint frame and write what the socket takes now."""
+        rid = self._next_id
+        self._next_id += 1
+        req.id = rid
+        self._hint_queue.append((protocol.encode_request(req), rid, nblocks, req.__struct_config__.tag))
+        self._hint_queued += nblocks
+        while self._hint_queued > self.hint_queue_max and len(self._hint_queue) > 1:
+            _, _, n, _ = self._hint_queue.popleft()  # oldest first: hints age
+            self._hint_queued -= n
+            self.hints_dropped += n
+        try:
+            if self.sock is None:
+                try:  # one attempt, no waiting: the queue holds the hints meanwhile
+                    self.connect()
+                    self.reconnects += 1
+                except (DaemonUnavailable, ConnectionError, socket.timeout):
+                    return
+            self._poll_answers()
+            self._push_hints(block=False)
+        except (ConnectionError, BrokenPipeError, socket.timeout):
+            # The daemon went away: the queued hints wait for the next call's
+            # reconnect (it may be restarting); nothing is raised to the engine.
+            self._lost_connection()
+
+    def _lost_connection(self) -> None:
+        for rid, op in self._in_flight.items():
+            self.async_errors.append(KvtierClientError(op, "unavailable", "kvtierd closed the connection"))
+        self._in_flight.clear()
+        self._wpartial = b""
+        self.close_socket()
+
+    def _push_hints(self, block: bool) -> None:
+        """Write queued hint frames: all of them (``block``), or as many as
+        the socket buffer takes without waiting and at most MAX_IN_FLIGHT
+        unanswered (the daemon's answers must not pile up unread either)."""
+        sock = self.sock
+        if sock is None or not (self._wpartial or self._hint_queue):
+            return
+        if block:
+            if self._wpartial:
+                sock.sendall(self._wpartial)
+                self._wpartial = b""
+            while self._hint_queue:
+                if len(self._in_flight) >= MAX_IN_FLIGHT:
+                    self._collect(self._recv_one())
+                    continue
+                data, rid, n, op = self._hint_queue.popleft()
+                self._hint_queued -= n
+                self._in_flight[rid] = op
+                sock.sendall(data)
+            return
+        sock.setblocking(False)
+        try:
+            while True:
+                if self._wpartial:
+                    sent = sock.send(self._wpartial)
+                    self._wpartial = self._wpartial[sent:]
+                    if self._wpartial:
+                        return
+                if not self._hint_queue or len(self._in_flight) >= MAX_IN_FLIGHT:
+                    return
+                data, rid, n, op = self._hint_queue[0]
+                sent = sock.send(data)  # BlockingIOError: nothing sent, frame stays queued
+                self._hint_queue.popleft()
+                self._hint_queued -= n
+                self._in_flight[rid] = op
+                self._wpartial = data[sent:]
+        except BlockingIOError:
+            return
+        finally:
+            sock.settimeout(self.timeout)
+
+    def _poll_answers(self) -> None:
+        """Collect the answers that have arrived, without waiting for any."""
+        sock = self.sock
+        if sock is None or not self._in_flight:
+            return
+        sock.setblocking(False)
+        try:
+            while True:
+                chunk = sock.recv(1 << 20)
+                if not chunk:
+                    raise ConnectionResetError(_errno.ECONNRESET, "kvtierd closed the connection")
+                self._rbuf += chunk
+        except BlockingIOError:
+            pass
+        finally:
+            sock.settimeout(self.timeout)
+        buf = self._rbuf
+        while len(buf) >= protocol.HEADER_SIZE:
+            (size,) = protocol.HEADER.unpack_from(buf, 0)
+            end = protocol.HEADER_SIZE + size
+            if len(buf) < end:
+                break
+            resp = protocol.decode_response(bytes(buf[protocol.HEADER_SIZE:end]))
+            del buf[:end]
+            self._collect(resp)
 
     def _recv_one(self) -> protocol.Response:
         buf = self._rbuf
@@ -341,6 +474,9 @@ class Client:
 
     def _drain(self) -> None:
         try:
+            if self.sock is None and self._hint_queue:
+                self._reconnect()  # an explicit flush may wait for a restarting daemon
+            self._push_hints(block=True)
             while self._in_flight:
                 self._collect(self._recv_one())
         except (ConnectionError, socket.timeout) as e:
@@ -350,20 +486,6 @@ class Client:
                 self.async_errors.append(KvtierClientError(op, "unavailable", f"answer lost: {e}"))
             self._in_flight.clear()
             self.close_socket()
-
-    def _send_async(self, req: protocol.Request) -> None:
-        """Pipelined request (hints): answer collected later."""
-        for attempt in (0, 1):
-            try:
-                while len(self._in_flight) >= MAX_IN_FLIGHT:
-                    self._collect(self._recv_one())
-                rid = self._send(req)
-                self._in_flight[rid] = req.__struct_config__.tag
-                return
-            except (ConnectionError, BrokenPipeError, socket.timeout):
-                if attempt:
-                    raise
-                self._reconnect()
 
     def _call_once(self, req: protocol.Request) -> Any:
         rid = self._send(req)

@@ -687,3 +687,34 @@ def test_pipelined_hints_survive_a_daemon_restart(daemon):
     assert c.flush() == []
     assert r.query().size == 4  # same handle, re-adopted region
     c.close()
+
+
+def test_hints_never_block_on_a_stalled_daemon(daemon):
+    """A daemon that stops reading (SIGSTOP here; a long GC or a starved CPU
+    in real life) must not stall the engine's hint calls: what the socket
+    cannot take queues up to hint_queue_max, the oldest is dropped and
+    counted, and everything else arrives once the daemon runs again."""
+    import mmap as _mmap
+
+    import numpy as np
+
+    c = daemon.client(hint_batch=4096, hint_queue_max=1 << 18)
+    buf = _mmap.mmap(-1, 64 << 20)
+    r = c.register(buf, block_size=4096)
+    blocks = np.arange(4096, dtype=np.uint32)
+    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    try:
+        # A blocking client would hang here for good (the daemon never reads):
+        # the alarm turns that into a failure instead of a stuck suite.
+        signal.alarm(120)
+        for _ in range(2000):  # 8 M block hints, far more than the socket buffers hold
+            r.hint(blocks)
+        signal.alarm(0)
+        assert c.hints_dropped > 0
+        assert c._hint_queued <= (1 << 18)
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+    assert c.flush() == []
+    sent = 2000 * 4096 - c.hints_dropped
+    assert c.stats()["block_hints_total"] == sent
+    c.close()
