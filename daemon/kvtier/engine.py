@@ -608,6 +608,12 @@ class Engine:
         #    the budget so the rotating sample always advances
         full_rows = np.zeros(0, dtype=np.int64)
         stale = np.flatnonzero(t.flags & np.uint8(F_STALE))
+        if stale.size and self.migrator.dry_run:
+            # A dry run pretends its moves: measuring a placed block would see
+            # the real pages and undo the pretence. Only unplaced ones count.
+            placed = stale[t.tier[stale] >= 0]
+            t.flags[placed] &= np.uint8(~F_STALE & 0xFF)
+            stale = stale[t.tier[stale] < 0]
         if stale.size:
             k0 = int(np.searchsorted(stale, self._stale_cursor))
             stale = np.concatenate([stale[k0:], stale[:k0]])

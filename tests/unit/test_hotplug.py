@@ -22,7 +22,7 @@ import pytest
 from pyroute2.netlink.uevent import MarshalUevent
 
 from kvtier import logs
-from kvtier.blocks import TIER_UNKNOWN, BlockTable
+from kvtier.blocks import F_STALE, TIER_UNKNOWN, BlockTable
 from kvtier.engine import Engine
 from kvtier.hotness import Temperature
 from kvtier.kernel import topology as topo
@@ -226,7 +226,8 @@ def test_follower_renumbers_block_tiers_and_counts_events(tree, engine_on, caplo
     assert t.tier.tolist() == [0, TIER_UNKNOWN, 1, 2]
     assert t.pin_tier.tolist() == [-1, TIER_UNKNOWN, 1, -1]
     assert [m[2] for m in eng.manual] == [1]
-    assert eng.last_full_measure == -np.inf  # every block is measured again at once
+    # every block is measured again at once, in full
+    assert eng._urgent and (t.flags & F_STALE).all()
     assert stats.topology_events == {"tier_removed": 1, "rediscovered": 1}
     (removed,) = [r for r in caplog.records if r.getMessage() == "tier_removed"]
     assert getattr(removed, logs.FIELDS_ATTR)["tier"] == "cxl0"
@@ -239,14 +240,14 @@ def test_a_change_during_a_migration_waits_for_it(tree, engine_on):
     follower = uevents.TopologyFollower(eng, stats, lambda: discover(tree))
     t = eng.table
     t.tier[:] = [0, 2, 2, 3]
-    eng.future = object()  # a job is running: its tier numbers are the old ones
+    eng.mover.future = object()  # a move is running: its tier numbers are the old ones
     offline_memory(tree)
     follower.on_burst([uevents.Uevent("offline", "memory", "/devices/system/memory/memory34")])
     assert names(eng.topology) == ["dram", "cxl0", "far0", "swap"] and t.tier.tolist() == [0, 2, 2, 3]
     assert names(eng.latest_topology()) == ["dram", "far0", "swap"]
     follower.poll()  # compares with the pending topology: no second change
     assert stats.topology_events["rediscovered"] == 1
-    eng.future = None
+    eng.mover.future = None
     tick(eng)
     assert names(eng.topology) == ["dram", "far0", "swap"] and t.tier.tolist() == [0, 1, 1, 2]
 
@@ -256,12 +257,12 @@ def test_pending_changes_compose(tree, engine_on):
     t = eng.table
     t.tier[:] = [0, 1, 2, 3]
     full = eng.topology
-    eng.future = object()
+    eng.mover.future = object()
     remove_node(tree)
     gone = discover(tree)
     eng.set_topology(gone, topo.compare(full, gone).index_map)
     eng.set_topology(full, topo.compare(gone, full).index_map)  # and back before the job ended
-    eng.future = None
+    eng.mover.future = None
     tick(eng)
     # far and swap blocks are back at their old numbers; the CXL block is
     # unknown (its tier was gone meanwhile) and measured: never touched, no pages.
