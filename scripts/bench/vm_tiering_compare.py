@@ -49,6 +49,9 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "scripts" / "vm"))
+
+import speed  # noqa: E402  (waits below are quiet-host seconds times the guest's slowness)
 
 MiB = 1 << 20
 POOL = 256 * MiB
@@ -201,7 +204,7 @@ class Kvtierd:
         self.log = open(self.dir / "kvtierd.log", "wb")
         self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", "-c", str(conf)],
                                      stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 60 * speed.current()
         while not self.sock.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit("kvtierd did not start:\n" + (self.dir / "kvtierd.log").read_text()[-3000:])
@@ -216,7 +219,7 @@ class Kvtierd:
     def stop(self) -> str:
         self.proc.send_signal(15)
         try:
-            self.proc.wait(timeout=60)
+            self.proc.wait(timeout=60 * speed.current())
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
@@ -298,7 +301,7 @@ def run_mode(mode: str, seconds: float) -> dict:
             })
             time.sleep(max(0.0, 1.0 - (time.monotonic() - start - now)))
         stop.set()
-        th.join(timeout=60)
+        th.join(timeout=60 * speed.current())
         vm1, cpu1 = vmstat(), cpu_seconds(child.pid)
         extra = {}
         if damos:

@@ -14,10 +14,12 @@ fail() {
     exit 126
 }
 
-# wait_for CONDITION... : poll up to 20 s (TCG is slow, probing is async).
+# wait_for CONDITION... : poll up to 20 s times the guest's slowness (TCG is
+# slow, more so on a busy host, and probing is async).
 wait_for() {
-    local i
-    for ((i = 0; i < 200; i++)); do
+    local i n
+    n=$(awk -v f="${KVTIER_VM_SLOWNESS:-1}" 'BEGIN { printf "%d", 200 * f }')
+    for ((i = 0; i < n; i++)); do
         "$@" && return 0
         sleep 0.1
     done
@@ -92,6 +94,11 @@ setup_swap() {
 }
 
 mount_kernel_fs
+# How slow this guest runs on this host now (scripts/vm/speed.py): every
+# wall-clock limit below and in the command scales by it, and run.py
+# stretches the whole run's timeout by it (the KVTIER_SLOWNESS= line).
+KVTIER_VM_SLOWNESS=$(python3 -S "$(dirname "${BASH_SOURCE[0]}")/speed.py" --report) || KVTIER_VM_SLOWNESS=1
+export KVTIER_VM_SLOWNESS
 modprobe -a nvme cxl_acpi cxl_pci cxl_mem dax_cxl device_dax kmem || fail "modprobe"
 # The Debian kernel boots with NUMA balancing on; tests need pages to stay
 # where kvtier put them.

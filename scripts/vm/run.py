@@ -18,13 +18,20 @@ KVTIER_IN_VM=1; its exit status becomes run.py's.
 --systemd boots the host's own systemd as PID 1 after the same set-up, and
 COMMAND runs as a unit once basic.target is up (scripts/vm/systemd/sdguest.py).
 
+--timeout is a quiet host's figure: the guest measures how slow it runs
+(scripts/vm/speed.py, at boot and again whenever a test asks) and prints
+KVTIER_SLOWNESS=<factor> on its console; the deadline is --timeout times the
+largest factor seen, never past --max-timeout. --stall (also scaled) kills a
+guest whose console stays silent that long.
+
 run.py's own failures get statuses a command rarely uses:
-  124  the guest did not finish within --timeout (QEMU killed)
+  124  the guest did not finish within the (scaled) --timeout, or stalled
   125  the guest crashed or QEMU failed before reporting an exit status
   126  guest set-up failed (topology, swap); the command never ran
 and always writes <share>/result.json:
   {"status": "ok"|"timeout"|"crash"|"setup_failed"|"unavailable",
-   "exit_code", "boot_seconds", "run_seconds", "console_log", "reason"}.
+   "exit_code", "boot_seconds", "run_seconds", "console_log", "reason",
+   "slowness"}.
 The guest console goes to <share>/console.log (or --log); on any failure its
 tail is printed to stderr.
 
@@ -52,6 +59,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
+sys.path.insert(0, str(HERE))
+
+import speed  # noqa: E402
 
 # Guest sizes. The host has 24 GiB and runs other work; the guest takes
 # 2.25 GiB of RAM plus QEMU's own overhead.
@@ -68,6 +78,7 @@ HMAT = {0: (80, "20G"), 1: (200, "5G")}
 SHARE_TAG = "kvtshare"
 GUEST_SHARE = "/mnt/kvtier"
 EXIT_RE = re.compile(r"KVTIER_EXIT=(\d+)")
+SLOWNESS_RE = re.compile(re.escape(speed.MARK) + r"(\d+(?:\.\d+)?)")
 SETUP_DONE = "KVTIER_SETUP_DONE"
 SETUP_FAILED = "KVTIER_SETUP_FAILED"
 INIT_FAILED = "KVTIER_INIT_FAILED"
@@ -179,6 +190,7 @@ class GuestResult:
     run_seconds: float | None = None
     console_log: str = ""
     reason: str = ""
+    slowness: float = 1.0  # the largest factor the guest reported
     tail: list[str] = field(default_factory=list)
 
     def process_status(self) -> int:
@@ -221,6 +233,8 @@ def boot(
     systemd: bool = False,
     out=None,
     icount: int | None = None,
+    max_timeout: float | None = None,
+    stall: float | None = None,
 ) -> GuestResult:
     """Boot the guest, run ``cmd``, return how it went. Never raises for guest failures.
 
@@ -284,13 +298,39 @@ def boot(
             "-nodefaults", "-display", "none", "-serial", "stdio", "-monitor", "none",
             "-no-reboot",
         ]
-        return _supervise(argv, log, timeout, echo, out)
+        return _supervise(argv, log, Limits(timeout, max_timeout, stall), echo, out)
 
 
-def _supervise(argv: list[str], log: Path, timeout: float, echo: bool, out) -> GuestResult:
+@dataclass
+class Limits:
+    """How long a guest may take, in quiet-host seconds (see the module doc)."""
+
+    timeout: float
+    max_timeout: float | None = None  # default: timeout * speed.MAX_FACTOR
+    stall: float | None = None  # console silence that counts as a hang; None: never
+
+    def cap(self) -> float:
+        return self.max_timeout if self.max_timeout is not None else self.timeout * speed.MAX_FACTOR
+
+    def deadline(self, slowness: float) -> float:
+        return min(self.cap(), self.timeout * slowness)
+
+    def overrun(self, elapsed: float, silent: float, slowness: float) -> str | None:
+        """Why the guest must be killed now, or None."""
+        if elapsed > self.deadline(slowness):
+            return (f"guest did not finish within {elapsed:.0f}s "
+                    f"({self.timeout:.0f}s nominal x slowness {slowness:.2f}, at most {self.cap():.0f}s)")
+        if self.stall is not None and silent > self.stall * slowness:
+            return f"guest console silent for {silent:.0f}s ({self.stall:.0f}s nominal x slowness {slowness:.2f}): hung"
+        return None
+
+
+def _supervise(argv: list[str], log: Path, limits: Limits, echo: bool, out) -> GuestResult:
     t0 = time.monotonic()
     marks: dict[str, float] = {}
     exit_code: list[int] = []
+    slowness = [1.0]  # largest KVTIER_SLOWNESS= seen
+    last_line = [t0]
     # The QEMU command line goes beside the log, so the log's tail stays the guest's.
     log.with_name(log.name + ".cmdline").write_text(shlex.join(argv) + "\n")
     with open(log, "w", errors="replace") as logf:
@@ -305,6 +345,10 @@ def _supervise(argv: list[str], log: Path, timeout: float, echo: bool, out) -> G
                 line = raw.decode("utf-8", "replace").replace("\r", "")
                 logf.write(line)
                 logf.flush()
+                last_line[0] = time.monotonic()
+                s = SLOWNESS_RE.search(line)
+                if s:
+                    slowness[0] = max(slowness[0], min(speed.MAX_FACTOR, float(s.group(1))))
                 m = EXIT_RE.search(line)
                 if m and not exit_code:
                     exit_code.append(int(m.group(1)))
@@ -323,13 +367,16 @@ def _supervise(argv: list[str], log: Path, timeout: float, echo: bool, out) -> G
 
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
+        overrun = None
         try:
-            proc.wait(timeout=timeout)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            os.killpg(proc.pid, 9)
-            proc.wait()
+            while proc.poll() is None:
+                now = time.monotonic()
+                overrun = limits.overrun(now - t0, now - last_line[0], slowness[0])
+                if overrun:
+                    os.killpg(proc.pid, 9)
+                    proc.wait()
+                    break
+                time.sleep(0.5)
         except BaseException:
             # Interrupted (Ctrl-C, SIGTERM from a CI runner): QEMU runs in its
             # own session, so nothing else would stop a guest that hangs.
@@ -337,14 +384,15 @@ def _supervise(argv: list[str], log: Path, timeout: float, echo: bool, out) -> G
             proc.wait()
             raise
         reader.join(timeout=5)
-        logf.write(f"\n# qemu exit {proc.returncode}, {time.monotonic() - t0:.1f}s{' (timeout)' if timed_out else ''}\n")
+        logf.write(f"\n# qemu exit {proc.returncode}, {time.monotonic() - t0:.1f}s{f' ({overrun})' if overrun else ''}\n")
 
     tail = log.read_text(errors="replace").splitlines()[-60:]
     boot_s = marks[SETUP_DONE] - t0 if SETUP_DONE in marks else None
     run_s = marks["exit"] - marks[SETUP_DONE] if SETUP_DONE in marks and "exit" in marks else None
-    res = GuestResult("ok", exit_code[0] if exit_code else 125, boot_s, run_s, str(log), tail=tail)
-    if timed_out:
-        res.status, res.reason = "timeout", f"guest did not finish within {timeout:.0f}s"
+    res = GuestResult("ok", exit_code[0] if exit_code else 125, boot_s, run_s, str(log),
+                      slowness=slowness[0], tail=tail)
+    if overrun:
+        res.status, res.reason = "timeout", overrun
     elif not exit_code:
         res.status, res.reason = "crash", f"guest ended without reporting an exit status (qemu exit {proc.returncode})"
     elif SETUP_FAILED in marks or INIT_FAILED in marks:
@@ -359,7 +407,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--share", type=Path, help="read-write share (default: a new temp dir, kept)")
     ap.add_argument("--log", type=Path, help="guest console log (default: SHARE/console.log)")
-    ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds for boot + command")
+    ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+                    help="seconds for boot + command on a quiet host (scaled by the guest's slowness)")
+    ap.add_argument("--max-timeout", type=float, help="never wait longer than this (default: timeout x 10)")
+    ap.add_argument("--stall", type=float, help="kill a guest whose console is silent this long (scaled)")
     ap.add_argument("--cwd", help="directory the command runs in (default: the current one)")
     ap.add_argument("--env", action="append", default=[], metavar="K=V", help="extra guest environment")
     ap.add_argument("-v", "--verbose", action="store_true", help="echo the guest console to stderr")
@@ -373,13 +424,15 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("no command given")
     share = a.share or Path(tempfile.mkdtemp(prefix="kvtier-share-"))
     env = dict(kv.split("=", 1) for kv in a.env)
-    res = boot(cmd, share.resolve(), a.timeout, a.log, a.cwd, env, a.verbose, a.systemd, sys.stdout, a.icount)
+    res = boot(cmd, share.resolve(), a.timeout, a.log, a.cwd, env, a.verbose, a.systemd, sys.stdout, a.icount,
+               a.max_timeout, a.stall)
     (share / "result.json").write_text(json.dumps({k: v for k, v in asdict(res).items() if k != "tail"}, indent=1))
     timing = ""
     if res.boot_seconds is not None:
         timing = f"boot {res.boot_seconds:.1f}s"
         if res.run_seconds is not None:
             timing += f", command {res.run_seconds:.1f}s"
+        timing += f", slowness {res.slowness:.2f}"
     print(f"run.py: {res.status}, exit {res.exit_code}; {timing}; share {share}", file=sys.stderr)
     if res.status != "ok" or res.exit_code != 0:
         if res.reason:

@@ -1,8 +1,10 @@
-"""The vm-test plugin (tests/conftest.py) without booting a guest.
+"""The vm-test plugin (tests/conftest.py, scripts/vm/results.py, run.py's
+limits) without booting a guest.
 
-Its result mapping is checked against junit XML that pytest itself writes, and
-its selection rules against real pytest runs of tests/vm in a subprocess with
-the guest image made unavailable (so nothing can boot).
+The stream is written by the real StreamWriter inside a real pytest run in a
+subprocess (standing in for the guest's pytest) and read back while that run
+is still going; the selection rules are checked against real pytest runs of
+tests/vm with the guest image made unavailable (so nothing can boot).
 """
 
 from __future__ import annotations
@@ -11,27 +13,32 @@ import importlib.util
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 TESTS = Path(__file__).resolve().parent.parent
 REPO = TESTS.parent
+VM_SCRIPTS = REPO / "scripts" / "vm"
 
 
-def _load_plugin():
-    spec = importlib.util.spec_from_file_location("kvtier_vm_plugin", TESTS / "conftest.py")
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     return mod
 
 
-plugin = _load_plugin()
+plugin = _load("kvtier_vm_plugin", TESTS / "conftest.py")
+results = sys.modules["results"]  # what the plugin imported from scripts/vm
+run_py = _load("kvtier_vm_run", VM_SCRIPTS / "run.py")
 # The inner runs need neither plugin, and importing them is most of their start-up.
 FAST = ("-p", "no:hypothesispytest", "-p", "no:benchmark")
 
 SAMPLE = '''
+import os, time
 import pytest
 
 def test_ok():
@@ -51,24 +58,74 @@ def test_xfail():
 def test_param(n):
     assert n == 1
 
+@pytest.fixture
+def broken_teardown():
+    yield
+    raise RuntimeError("teardown broke")
+
+def test_fails_twice(broken_teardown):
+    assert False, "call broke"
+
 class TestGroup:
     def test_in_class(self):
         pass
+
+def test_waits_for_go():
+    # Holds the run open until the host side has seen the results above.
+    go = os.environ["GO_FILE"]
+    end = time.monotonic() + 60
+    while not os.path.exists(go) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert os.path.exists(go)
+'''
+
+WRITER_CONFTEST = '''
+import os
+from results import StreamWriter
+
+def pytest_configure(config):
+    config.pluginmanager.register(StreamWriter(os.environ["KVTIER_VM_RESULTS"]), "stream")
 '''
 
 
-def test_junit_results_map_back_to_node_ids(tmp_path):
+def _start_sample(tmp_path: Path) -> tuple[subprocess.Popen, Path, Path]:
     d = tmp_path / "pkg" / "sub"
     d.mkdir(parents=True)
     (d / "test_sample.py").write_text(SAMPLE)
-    xml = tmp_path / "junit.xml"
-    subprocess.run(
+    (tmp_path / "conftest.py").write_text(WRITER_CONFTEST)
+    stream, go = tmp_path / "results.jsonl", tmp_path / "go"
+    env = {**os.environ, "KVTIER_VM_RESULTS": str(stream), "GO_FILE": str(go),
+           "PYTHONPATH": str(VM_SCRIPTS)}
+    proc = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *FAST, "-c", os.devnull,
-         "--rootdir", str(tmp_path), f"--junitxml={xml}", "pkg/sub/test_sample.py"],
-        cwd=tmp_path, capture_output=True, check=False,
+         "--rootdir", str(tmp_path), "pkg/sub/test_sample.py"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
-    got = plugin.parse_junit(xml)
+    return proc, stream, go
+
+
+def test_results_stream_to_the_host_while_the_guest_run_goes_on(tmp_path):
+    proc, stream, go = _start_sample(tmp_path)
+    run = plugin.GuestRun("vm", [])
+    reader = results.StreamReader(stream)
     base = "pkg/sub/test_sample.py::"
+    try:
+        end = time.monotonic() + 60
+        while base + "TestGroup::test_in_class" not in run.results:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < end, "no results streamed within 60 s"
+            run.take(reader.poll())
+            time.sleep(0.05)
+        # The last test is still running: it started, and has no result yet.
+        assert base + "test_waits_for_go" in run.started
+        assert base + "test_waits_for_go" not in run.results
+        go.touch()
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    events = reader.rest()
+    run.take(events)
+    assert events[-1] == {"event": "end", "exitstatus": 1}
     expect = {
         "test_ok": "passed",
         "test_bad": "failed",
@@ -76,18 +133,79 @@ def test_junit_results_map_back_to_node_ids(tmp_path):
         "test_xfail": "xfailed",
         "test_param[1]": "passed",
         "test_param[2]": "failed",
+        "test_fails_twice": "failed",
         "TestGroup::test_in_class": "passed",
+        "test_waits_for_go": "passed",
     }
-    assert {name: got[plugin.junit_key(base + name)].kind for name in expect} == expect
-    assert len(got) == len(expect)
-    assert "one is not two" in got[plugin.junit_key(base + "test_bad")].text
-    assert got[plugin.junit_key(base + "test_skip")].text.endswith("no CXL here")
+    assert {n[len(base):]: o.kind for n, o in run.results.items()} == expect
+    assert "one is not two" in run.results[base + "test_bad"].text
+    assert run.results[base + "test_skip"].text == "no CXL here"
+    assert run.results[base + "test_xfail"].text == "known kernel quirk"
+    both = run.results[base + "test_fails_twice"].text
+    assert "[guest call failure]" in both and "call broke" in both
+    assert "[guest teardown error]" in both and "teardown broke" in both
 
 
-def test_unreadable_junit_gives_no_results(tmp_path):
-    (tmp_path / "junit.xml").write_text("<testsuites><testsuite>")  # cut short by a crash
-    assert plugin.parse_junit(tmp_path / "junit.xml") == {}
-    assert plugin.parse_junit(tmp_path / "missing.xml") == {}
+def test_reader_waits_for_whole_lines_and_flags_a_torn_one(tmp_path):
+    f = tmp_path / "results.jsonl"
+    reader = results.StreamReader(f)
+    assert reader.poll() == []  # not there yet
+    f.write_text('{"event": "start", "nodeid": "a", "t": 1.0}\n{"event": "res')
+    assert reader.poll() == [{"event": "start", "nodeid": "a", "t": 1.0}]
+    with open(f, "a") as out:
+        out.write('ult", "nodeid": "a", "outcome": "passed", "text": ""}\n{"event": "sta')
+    assert reader.poll() == [{"event": "result", "nodeid": "a", "outcome": "passed", "text": ""}]
+    assert reader.poll() == []
+    assert reader.rest() == [{"event": "garbled", "line": '{"event": "sta'}]
+
+
+def _timed_out_run() -> "plugin.GuestRun":
+    run = plugin.GuestRun("vm", ["t.py::done", "t.py::failed", "t.py::hung", "t.py::never"])
+    run.take([
+        {"event": "start", "nodeid": "t.py::done", "t": 100.0},
+        {"event": "result", "nodeid": "t.py::done", "outcome": "passed", "text": "", "slowness": 2.5},
+        {"event": "start", "nodeid": "t.py::failed", "t": 110.0},
+        {"event": "result", "nodeid": "t.py::failed", "outcome": "failed", "text": "[guest call failure]\nboom"},
+        {"event": "start", "nodeid": "t.py::hung", "t": 120.0},
+    ])
+    run.status, run.reason, run.tail = "timeout", "guest did not finish within 900s", "console tail here"
+    run._ended = 420.0
+    return run
+
+
+def test_a_guest_timeout_fails_only_the_tests_without_a_result():
+    run = _timed_out_run()
+    assert run.outcome_for("t.py::done").kind == "passed"
+    got = run.outcome_for("t.py::failed")
+    assert (got.kind, got.text) == ("failed", "[guest call failure]\nboom")
+    hung = run.outcome_for("t.py::hung")
+    assert hung.kind == "failed"
+    assert "guest timeout (guest did not finish within 900s; slowness 2.50)" in hung.text
+    assert "while this test was running (for 300s)" in hung.text and "console tail here" in hung.text
+    assert "2 of 4 tests had finished" in hung.text
+    never = run.outcome_for("t.py::never")
+    assert never.kind == "failed" and "before this test started" in never.text
+    assert "t.py::hung" in never.text  # where to look
+
+
+def test_a_module_that_does_not_import_fails_its_tests_with_the_error():
+    run = plugin.GuestRun("vm", ["tests/vm/test_x.py::test_a"])
+    run.take([{"event": "collect_error", "nodeid": "tests/vm/test_x.py", "text": "ImportError: no kvtier.foo"},
+              {"event": "end", "exitstatus": 2}])
+    run.status, run.exit_code = "ok", 2
+    got = run.outcome_for("tests/vm/test_x.py::test_a")
+    assert got.kind == "failed" and "ImportError: no kvtier.foo" in got.text
+
+
+def test_run_limits_scale_with_the_reported_slowness_up_to_the_cap():
+    lim = run_py.Limits(timeout=300, max_timeout=1800, stall=100)
+    assert lim.overrun(299, 0, 1.0) is None
+    assert "300s nominal x slowness 1.00" in lim.overrun(301, 0, 1.0)
+    assert lim.overrun(301, 0, 3.0) is None and lim.overrun(899, 0, 3.0) is None
+    assert lim.overrun(901, 0, 3.0) is not None
+    assert lim.overrun(1799, 0, 9.0) is None and "at most 1800s" in lim.overrun(1801, 0, 9.0)
+    assert "silent for 101s" in lim.overrun(200, 101, 1.0)
+    assert lim.overrun(200, 101, 2.0) is None
 
 
 def _pytest(tmp_path, *args, ci: str | None = None):

@@ -16,7 +16,7 @@ import pytest
 from kvtier.blocks import BlockTable
 from kvtier.kernel.sources import damon as dm
 from kvtier.kernel.sysfs_io import SysfsIO
-from vmhelpers import MiB
+from vmhelpers import MiB, scaled
 
 pytestmark = pytest.mark.vm
 
@@ -42,7 +42,7 @@ class Toucher:
 
     def close(self):
         self.stop.set()
-        self.thread.join(timeout=30)
+        self.thread.join(timeout=scaled(30))
 
 
 @pytest.fixture

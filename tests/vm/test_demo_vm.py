@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from vmhelpers import scaled
+
 pytestmark = pytest.mark.vm
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,7 +32,7 @@ def test_demo_brings_the_hot_set_into_dram(tmp_path):
     r = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "demo" / "driver.py"), "--out", str(out),
          "--run-dir", str(tmp_path / "run"), "--duration", str(SECONDS)],
-        capture_output=True, text=True, timeout=SECONDS + 180,
+        capture_output=True, text=True, timeout=SECONDS + scaled(180),
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     timeline = [json.loads(line) for line in (out / "timeline.jsonl").read_text().splitlines()]

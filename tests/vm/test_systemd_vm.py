@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import mmap
 import os
 import re
@@ -24,13 +25,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import waiting
 
 from kvtier.kernel import native
 from kvtier import protocol
 from kvtier.client import Client
 from kvtier.kernel.procfs import PM_SWAP, Pagemap
-from vmhelpers import CXL_NODE, DRAM_NODE, FAR_NODE, MiB, numa_maps_nodes
+import vmhelpers
+from vmhelpers import CXL_NODE, DRAM_NODE, FAR_NODE, MiB, numa_maps_nodes, scaled
 
 pytestmark = pytest.mark.vmsystemd
 
@@ -41,7 +42,9 @@ SOCKET_UNIT = "kvtierd.socket"
 CONFIG = Path("/etc/kvtierd/kvtierd.toml")
 UNIT_DIR = Path("/etc/systemd/system")
 WATCHDOG_DROPIN = UNIT_DIR / "kvtierd.service.d" / "50-vmtest-watchdog.conf"
-WATCHDOG_S = 8
+# Deadlines are quiet-host seconds, scaled by the guest's slowness (vmhelpers);
+# so is the watchdog, which a healthy daemon on a busy host must not miss.
+WATCHDOG_S = math.ceil(scaled(8))
 DEADLINE = 120.0  # a daemon start under TCG takes seconds, more on a busy host
 PAGE = native.PAGE_SIZE
 # kvtierd's status line (daemon.Daemon._status_line), as sd_notify STATUS=.
@@ -51,7 +54,7 @@ LOGFMT_RE = re.compile(r'^level=(debug|info|warning|error|critical) logger=kvtie
 
 
 def sh(*argv: str, check: bool = True, timeout: float = DEADLINE) -> subprocess.CompletedProcess:
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=scaled(timeout))
     if check and r.returncode != 0:
         raise AssertionError(f"{' '.join(argv)} exited {r.returncode}:\n{r.stdout}{r.stderr}")
     return r
@@ -62,7 +65,7 @@ def show(unit: str, *props: str) -> dict[str, str]:
     return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
 
-wait_for = functools.partial(waiting.wait_for, timeout=DEADLINE, interval=0.2)
+wait_for = functools.partial(vmhelpers.wait_for, timeout=DEADLINE, interval=0.2)
 
 
 def start() -> None:
@@ -85,7 +88,7 @@ def ctl(*args: str) -> dict:
 
 def api(op: str, **fields) -> dict:
     """One request over a fresh connection (what kvtierctl sends, in-process)."""
-    with Client(timeout=60, reconnect_timeout=0) as c:
+    with Client(timeout=scaled(60), reconnect_timeout=0) as c:
         return c.request(op, **fields)
 
 
@@ -184,7 +187,7 @@ def test_hardened_unit_migrates_to_far_and_cxl_and_pages_out_to_nvme_swap(runnin
     tiers = api("tiers")["tiers"]
     far, cxl, swap = (_tier_index(tiers, node=FAR_NODE), _tier_index(tiers, node=CXL_NODE),
                       _tier_index(tiers, kind="swap"))
-    with Client(timeout=60) as kv:
+    with Client(timeout=scaled(60)) as kv:
         # Unregistered on the way out even on failure: a leftover region would
         # be re-adopted and counted by the restart test.
         with kv.register(kv_pool, block_size=block, name="systemd-vm") as region:
@@ -252,7 +255,7 @@ def test_systemctl_reload_applies_a_changed_config(running):
 
 def test_restart_keeps_registrations_and_the_client_only_reconnects(running, kv_pool):
     old_pid = running
-    with Client(timeout=60, reconnect_timeout=DEADLINE) as kv:
+    with Client(timeout=scaled(60), reconnect_timeout=scaled(DEADLINE)) as kv:
         regions = [kv.register(kv_pool[i * MiB:(i + 2) * MiB], block_size=MiB, name=f"r{i}") for i in (0, 2)]
         ids = sorted(r.id for r in regions)
         held = kv.stats()["regions"]  # ours, plus any an earlier test left behind
@@ -282,7 +285,7 @@ def test_socket_activation_starts_the_stopped_service(running):
     assert show(SOCKET_UNIT, "ActiveState", "SubState") == {"ActiveState": "active", "SubState": "listening"}
     # Connecting is what starts it: systemd holds the listening socket, queues
     # the connection, starts kvtierd with the fd, and kvtierd answers.
-    with Client(timeout=DEADLINE) as kv:
+    with Client(timeout=scaled(DEADLINE)) as kv:
         assert kv.server["server"] == "kvtierd"
         status = kv.status()
     assert show(SERVICE, "ActiveState")["ActiveState"] == "active"

@@ -4,17 +4,31 @@ The guest's shape is fixed by scripts/vm/run.py (node 0: CPUs + 1 GiB,
 node 1: 1 GiB CPU-less, node 2: 256 MiB CXL region via dax kmem, swap on
 /dev/nvme0n1). Imported by the guest tests as a plain module (tests/vm is on
 sys.path under pytest's default import mode).
+
+Wall-clock limits: write a quiet host's figure and pass it through
+``scaled(seconds)`` (a subprocess or socket timeout) or ``wait_for(...,
+timeout=seconds)`` (polling a condition); both multiply by the guest's
+measured slowness (scripts/vm/speed.py; tests/vm/conftest.py re-measures it
+before each test), and ``wait_for`` measures again before it gives up, so
+load that starts mid-test stretches the deadline too. Count-based limits
+that stand in for time (daemon ticks) use ``scaled_count``.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/kvchild.py
+_TESTS = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(_TESTS))  # tests/kvchild.py
+sys.path.insert(0, str(_TESTS.parent / "scripts" / "vm"))  # speed.py
 
+import speed  # noqa: E402
 from kvchild import KVChild  # noqa: E402
 
 SYS = Path("/sys")
@@ -73,3 +87,49 @@ def block_ranges(child: KVChild, block: int, first: int = 0, count: int | None =
     count = n - first if count is None else count
     starts = np.uint64(child.addr) + np.arange(first, first + count, dtype=np.uint64) * np.uint64(block)
     return starts, np.full(count, block, dtype=np.uint64)
+
+
+def slowness() -> float:
+    """How many times slower than a quiet host the guest runs (>= 1)."""
+    return speed.current()
+
+
+def remeasure() -> float:
+    """Measure the slowness now, make it current (also for child processes,
+    through the environment) and tell run.py, whose whole-run timeout
+    follows it."""
+    f = speed.measure()
+    os.environ[speed.ENV] = f"{f:.2f}"
+    speed.report(f)
+    return f
+
+
+def scaled(seconds: float) -> float:
+    """A quiet host's ``seconds``, for this guest now."""
+    return seconds * slowness()
+
+
+def scaled_count(n: int) -> int:
+    """A count that stands in for time (ticks of a daemon with a fixed
+    tick interval), for this guest now."""
+    return math.ceil(n * slowness())
+
+
+def wait_for(pred, what: str, *, timeout: float, interval: float):
+    """Call ``pred`` until it returns something truthy and return that; fail
+    after ``timeout`` quiet-host seconds times the slowness, measured again
+    when that runs out (a deadline only ends once the guest is no slower
+    than when it was set)."""
+    t0 = time.monotonic()
+    factor = slowness()
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() - t0 > timeout * factor:
+            now = remeasure()
+            if now <= factor:
+                raise AssertionError(f"timed out after {time.monotonic() - t0:.0f}s waiting for {what} "
+                                     f"({timeout:.0f}s nominal x slowness {factor:.2f})")
+            factor = now
+        time.sleep(interval)
