@@ -211,7 +211,7 @@ def run(tmp_path: Path, hints: bool, limit: int) -> list:
             kv.close()
             d.stop()
         assert child.checksum() == before
-    # The ticks measured, next to the junit XML on the host (scripts/vm share).
+    # The ticks measured, next to results.jsonl on the host (scripts/vm share).
     if SHARE.is_dir():
         with open(SHARE / "tiering_e2e.jsonl", "a") as f:
             f.write(json.dumps({"hints": hints, "phases": report}) + "\n")
