@@ -220,6 +220,33 @@ class Region:
         packed = None if blocks is None else protocol.pack_blocks(np.asarray(blocks).ravel())
         return self.client.call(protocol.Phase(region=self.id, phase=phase, blocks=packed))["blocks"]
 
+    def prefetch(self, blocks: Iterable[int] | np.ndarray | None = None, *, wait: bool = False,
+                 timeout: float = 30.0) -> dict:
+        """These blocks are about to be read: the daemon brings them to tier 0
+        in its next event-loop turn (within its migration rate limits).
+        Returns ``queued`` / ``already`` (in tier 0) / ``skipped`` (cannot
+        move: unmeasured, untouched or pinned). ``wait=True`` returns once
+        the daemon reports them all in tier 0, with ``seconds`` waited."""
+        self.flush()
+        packed = None if blocks is None else protocol.pack_blocks(np.asarray(blocks).ravel())
+        t0 = time.monotonic()
+        r = self.client.call(protocol.Prefetch(region=self.id, blocks=packed))
+        if wait and r["queued"]:
+            sel = slice(None) if blocks is None else np.asarray(blocks, dtype=np.int64).ravel()
+            while not (self.query()[sel] == 0).all():
+                if time.monotonic() - t0 > timeout:
+                    raise TimeoutError(f"region {self.id}: prefetched blocks not in tier 0 after {timeout}s")
+                time.sleep(0.001)
+            r["seconds"] = time.monotonic() - t0
+        return r
+
+    def release(self, blocks: Iterable[int] | np.ndarray | None = None) -> dict:
+        """The session is paused: these blocks may go one tier down now
+        (never below a constraint). Same answer as ``prefetch``."""
+        self.flush()
+        packed = None if blocks is None else protocol.pack_blocks(np.asarray(blocks).ravel())
+        return self.client.call(protocol.Release(region=self.id, blocks=packed))
+
     def query(self, first: int = 0, count: int | None = None) -> np.ndarray:
         """Tier index per block (0 = DRAM; -1 unknown/not yet touched)."""
         # The daemon answers in pages (each within its frame limit); ``next``

@@ -43,8 +43,8 @@ import numpy as np
 
 from kvtier import logs
 from kvtier import policy as pol
-from kvtier.blocks import (FIELDS, F_KEEP_DRAM, F_NEVER_SWAP, F_NOT_PRESENT, F_STALE, TIER_UNKNOWN, BlockTable,
-                           Slice)
+from kvtier.blocks import (FIELDS, F_KEEP_DRAM, F_NEVER_SWAP, F_NOT_PRESENT, F_STALE, F_UNMOVABLE, TIER_UNKNOWN,
+                           BlockTable, Slice)
 from kvtier.errors import InvalidArgument, KvtierError
 from kvtier.hotness import Temperature
 from kvtier.ports import AvailabilityView, HotnessSource, MigratorPort, ObservationView, TopologyView
@@ -100,6 +100,7 @@ class MoveJob:
     plan: pol.Plan | None = None
     plan_pos: np.ndarray | None = None  # position of each move in plan.rows (-1 = operator move)
     started: float = 0.0
+    requested_at: np.ndarray | None = None  # scheduler hints (prefetch/release): when each was asked for
     ok: np.ndarray | None = None
     unmovable: np.ndarray | None = None
     failures: collections.Counter = field(default_factory=collections.Counter)
@@ -210,6 +211,8 @@ class Engine:
         self.collector = _Worker("collect")
         self.last_tick = 0.0
         self.manual: list[tuple[np.ndarray, np.ndarray, int]] = []  # (region ids, indices, tier)
+        # prefetch/release: (region ids, indices, destination tiers, requested at)
+        self.scheduled: list[tuple[np.ndarray, np.ndarray, np.ndarray, float]] = []
         self.loop = loop
         self._rng = np.random.default_rng(seed)
         # what the last plan saw; anything new makes the next tick plan again
@@ -373,11 +376,101 @@ class Engine:
             "job_running": self.mover.busy,
             "workers": {w.name: w.busy for w in (self.mover, self.measurer, self.collector)},
             "manual_moves_pending": sum(int(r.size) for r, _, _ in self.manual),
+            "scheduled_moves_pending": sum(int(r.size) for r, _, _, _ in self.scheduled),
             "stale_blocks": int(np.count_nonzero(self.table.flags & F_STALE)),
             "source_cpu_budget": self.source_cpu_budget,
             "sources": sources,
             "warnings": list(getattr(self.topology, "warnings", [])),
         }
+
+    # -- scheduler hints -------------------------------------------------
+
+    def schedule(self, rows: np.ndarray, kind: str) -> dict:
+        """prefetch (to tier 0) or release (one tier down) ``rows``: moved in
+        the event loop's next turn once the mover is free, not at the next
+        tick, but paid from the policy's own token buckets. Returns what was
+        queued, what is already there, and what cannot move (unmeasured,
+        untouched, unmovable, or kept in DRAM by a constraint)."""
+        t = self.table
+        tier = t.tier[rows].astype(np.int64)
+        flags = t.flags[rows]
+        movable = (tier >= 0) & ((flags & (F_UNMOVABLE | F_NOT_PRESENT)) == 0)
+        if kind == "prefetch":
+            dst = np.zeros(rows.size, dtype=np.int64)
+            # Hot as far as the policy is concerned, so it does not send them
+            # straight back down as cold between the watermarks.
+            t.temp[rows] = np.maximum(t.temp[rows], np.float32(self.policy_cfg.promote_temp))
+        else:
+            slowest_mem = max([x.index for x in self.topology.tiers if x.kind != "swap"], default=0)
+            dst = np.minimum(tier + 1, len(self.topology.tiers) - 1)
+            dst = np.where((flags & F_NEVER_SWAP) != 0, np.minimum(dst, slowest_mem), dst)
+            movable &= (flags & F_KEEP_DRAM) == 0
+            # Cold, so the policy does not promote them back before they are read again.
+            t.temp[rows] = 0.0
+        there = movable & (dst == tier)
+        go = movable & ~there
+        if go.any():
+            sel = rows[go]
+            self.scheduled.append((t.region[sel].astype(np.int64), t.index[sel].astype(np.int64),
+                                   dst[go].astype(np.int8), self.clock()))
+            self.loop.call_soon(self.kick)
+        return {"queued": int(go.sum()), "already": int(there.sum()), "skipped": int((~movable).sum())}
+
+    def kick(self) -> None:
+        """Hand the scheduled moves to the mover now if it is idle (else its
+        finish calls back here)."""
+        if self.mover.busy or not self.scheduled or not self.topology.tiers:
+            return
+        job = self._build_scheduled(self.clock())
+        if job is not None:
+            self._submit(self.mover, self._run_move, self._finish_move, job)
+
+    def _build_scheduled(self, now: float) -> MoveJob | None:
+        t = self.table
+        regions = np.concatenate([e[0] for e in self.scheduled])
+        indices = np.concatenate([e[1] for e in self.scheduled])
+        dst = np.concatenate([e[2] for e in self.scheduled])
+        asked = np.concatenate([np.full(e[0].size, e[3]) for e in self.scheduled])
+        self.scheduled.clear()
+        rows = t.rows_of(regions, indices)
+        # the last request for a block wins (a release after a prefetch)
+        _, last = np.unique(rows[::-1], return_index=True)
+        keep = rows.size - 1 - last
+        keep = keep[rows[keep] >= 0]
+        rows, dst, asked = rows[keep], dst[keep], asked[keep]
+        src = t.tier[rows].copy()
+        go = (dst != src) & (src >= 0)
+        rows, dst, asked, src = rows[go], dst[go], asked[go], src[go]
+        if rows.size == 0:
+            return None
+        # The policy's token buckets, one per direction, oldest request
+        # first; what does not fit waits for the mover's next turn.
+        nb = t.nbytes[rows].astype(np.float64)
+        self.pstate = self.pstate.refill(self.policy_cfg, now, float(nb.max()))
+        up = dst < src
+        fits = np.zeros(rows.size, dtype=bool)
+        spent = {}
+        order = np.argsort(asked, kind="stable")
+        for direction, mask, have in (("promote", up, self.pstate.promote_tokens),
+                                      ("demote", ~up, self.pstate.demote_tokens)):
+            o = order[mask[order]]
+            ok = np.cumsum(nb[o]) <= have + 0.5
+            fits[o[ok]] = True
+            spent[direction] = float(nb[o[ok]].sum())
+        self.pstate = replace(self.pstate, promote_tokens=self.pstate.promote_tokens - spent["promote"],
+                              demote_tokens=self.pstate.demote_tokens - spent["demote"])
+        if not fits.all():
+            w = ~fits
+            self.scheduled.append((t.region[rows[w]].astype(np.int64), t.index[rows[w]].astype(np.int64),
+                                   dst[w], float(asked[w].min())))
+        rows, dst, asked, src = rows[fits], dst[fits], asked[fits], src[fits]
+        if rows.size == 0:
+            return None
+        return MoveJob(
+            region=t.region[rows].astype(np.int64), index=t.index[rows].astype(np.int64), pid=t.pid[rows].copy(),
+            addr=t.addr[rows].copy(), nbytes=t.nbytes[rows].copy(), src=src, dst=dst,
+            plan=None, plan_pos=np.full(rows.size, -1, dtype=np.int64), started=now, requested_at=asked,
+        )
 
     # -- the tick --------------------------------------------------------
 
@@ -403,12 +496,17 @@ class Engine:
             log.warning("topology refresh failed: %s", e)
         if len(self.table) == 0 or not self.topology.tiers:
             self.manual.clear()
+            self.scheduled.clear()
             return
         self._mark_stale(now)
         if self.mover.busy:
             self.stats.ticks_skipped_busy += 1
         else:
-            job = self._build_move(now)
+            # Scheduler hints still waiting for tokens go first; the plan
+            # waits for the next tick.
+            job = self._build_scheduled(now) if self.scheduled else None
+            if job is None:
+                job = self._build_move(now)
             if job is not None:
                 self._submit(self.mover, self._run_move, self._finish_move, job)
         if not self.measurer.busy:
@@ -580,6 +678,13 @@ class Engine:
                     st.migrated_bytes[(int(s), int(d))] += int(nbytes[k])
         for key, n in job.failures.items():
             st.migration_failures[key] += n
+        if job.requested_at is not None:
+            # Scheduler hints, measured: from the request to the block in its tier.
+            done = mv[job.ok[mv]]
+            for waited, up in zip(now - job.requested_at[done], job.dst[done] < job.src[done]):
+                st.observe_scheduled("prefetch" if up else "release", float(waited))
+        if self.scheduled:
+            self.loop.call_soon(self.kick)  # scheduler hints do not wait for the next tick
         if job.plan is not None:
             ok_plan = np.zeros(len(job.plan), dtype=bool)
             has = job.plan_pos >= 0

@@ -108,6 +108,8 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "kvtier_migration_failures": ("counter", ("src", "dst", "reason"),
                                   "Failed block migrations by tiers and reason (errno name)."),
     "kvtier_migration_duration_seconds": ("histogram", (), "Wall time of one migration job (a tick's moves and measurements)."),
+    "kvtier_prefetch_duration_seconds": ("histogram", (), "Time from a prefetch request to the block being in tier 0."),
+    "kvtier_release_duration_seconds": ("histogram", (), "Time from a release request to the block being one tier down."),
     "kvtier_tick_duration_seconds": ("histogram", (), "Wall time of one policy tick (snapshot, plan, act)."),
     "kvtier_tick_last_duration_seconds": ("gauge", (), "Wall time of the last tick."),
     "kvtier_ticks": ("counter", (), "Policy ticks run."),
@@ -313,6 +315,8 @@ class Collector:
         yield from (blocks, nbytes, fails)
         yield _histogram("kvtier_migration_duration_seconds", getattr(s, "migration_seconds_hist", None),
                          fallback_sum=getattr(s, "migration_seconds_sum", 0.0))
+        yield _histogram("kvtier_prefetch_duration_seconds", s.prefetch_seconds_hist)
+        yield _histogram("kvtier_release_duration_seconds", s.release_seconds_hist)
 
     def _tick_metrics(self) -> Iterator[Metric]:
         s = self.stats

@@ -41,6 +41,7 @@ DEFAULT_SOCKET = "/run/kvtierd/kvtierd.sock"
 CAPABILITIES = (
     "register", "hint", "phase", "query", "stats", "pidfd-lifetime", "persist",
     "status", "tiers", "regions", "blocks", "migrate", "pin", "explain", "allocate",
+    "prefetch", "release",
 )
 
 # Wire dtypes of packed arrays (explicit little-endian: the wire format does
@@ -183,13 +184,28 @@ class Explain(Request, tag="explain"):
     block: BlockIndex
 
 
+class Prefetch(Request, tag="prefetch"):
+    """These blocks are about to be read (a preempted or returning session):
+    bring them to tier 0 now."""
+
+    region: RegionId
+    blocks: Packed | None = None  # <u4 block indices; absent = whole region
+
+
+class Release(Request, tag="release"):
+    """The session is paused: these blocks may go one tier down now."""
+
+    region: RegionId
+    blocks: Packed | None = None
+
+
 class Ages(Request, tag="ages"):
     pass
 
 
 AnyRequest = Union[
     Hello, Register, Allocate, Unregister, Hint, Phase, Query, Stats, Status, Tiers, Regions,
-    Blocks, Migrate, Pin, Unpin, Explain, Ages,
+    Blocks, Migrate, Pin, Unpin, Explain, Ages, Prefetch, Release,
 ]
 REQUEST_TYPES: tuple[type[Request], ...] = AnyRequest.__args__  # type: ignore[attr-defined]
 OPS = {t.__struct_config__.tag: t for t in REQUEST_TYPES}

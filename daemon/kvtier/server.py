@@ -340,6 +340,16 @@ class ControlAPI:
             np.inf if quota is None else float(quota) - tenant0,
         )
 
+    def op_prefetch(self, peer: Peer, req: protocol.Prefetch) -> dict:
+        self._own(peer, req.region)
+        rows = self.registry.rows(req.region, protocol.unpack(req.blocks, protocol.BLOCKS_DTYPE, "blocks"))
+        return self.engine.schedule(rows, "prefetch")
+
+    def op_release(self, peer: Peer, req: protocol.Release) -> dict:
+        self._own(peer, req.region)
+        rows = self.registry.rows(req.region, protocol.unpack(req.blocks, protocol.BLOCKS_DTYPE, "blocks"))
+        return self.engine.schedule(rows, "release")
+
     def op_unregister(self, peer: Peer, req: protocol.Unregister) -> dict:
         self._own(peer, req.region)
         reg = self.registry.remove(req.region)

@@ -114,6 +114,9 @@ class DaemonStats:
     source_cpu_seconds: collections.Counter = field(default_factory=collections.Counter)
     source_kernel_seconds: collections.Counter = field(default_factory=collections.Counter)
     source_slowdown: collections.Counter = field(default_factory=collections.Counter)
+    # prefetch / release: seconds from the request to the block in its tier
+    prefetch_seconds_hist: Histogram = field(default_factory=lambda: Histogram(MIGRATION_BUCKETS))
+    release_seconds_hist: Histogram = field(default_factory=lambda: Histogram(MIGRATION_BUCKETS))
     config_reloads_total: int = 0
     config_reload_errors_total: int = 0
 
@@ -128,6 +131,9 @@ class DaemonStats:
     def observe_migration(self, seconds: float) -> None:
         self.migration_seconds_sum += seconds
         self.migration_seconds_hist.observe(seconds)
+
+    def observe_scheduled(self, kind: str, seconds: float) -> None:
+        (self.prefetch_seconds_hist if kind == "prefetch" else self.release_seconds_hist).observe(seconds)
 
     def to_dict(self) -> dict:
         """Wire/JSON form: counters keyed by strings."""

@@ -107,24 +107,26 @@ def test_generate_with_kvtier_cache_while_blocks_go_to_swap_and_back(swapfile, w
             def tiers_of(blocks):
                 return cache.region.query()[blocks]
 
-            def out_and_back():
-                # Every block holding tokens now, in every layer.
+            def pause_and_resume():
+                # The session pauses: every block holding tokens now, in every
+                # layer, may go down (DRAM's next tier here is swap).
                 live = cache.live_blocks()
                 seen["out"] = live
-                c.flush()
-                assert c.request("migrate", region=cache.region.id, tier=swap,
-                                 blocks=live.astype("<u4").tobytes())["queued"] == live.size
+                wait_for(lambda: (tiers_of(live) >= 0).all(), "blocks measured")
+                assert cache.release() == {"queued": live.size, "already": 0, "skipped": 0}
                 wait_for(lambda: (tiers_of(live) == swap).all(), "daemon reports the blocks in swap")
                 pm = block_pages(cache, live)
                 # The kernel agrees: the pages are swap entries, not in memory.
                 assert not (pm & PM_PRESENT).any() and (pm & PM_SWAP).all(), "pages not swapped out"
-                c.request("migrate", region=cache.region.id, tier=0, blocks=live.astype("<u4").tobytes())
-                wait_for(lambda: (tiers_of(live) == 0).all(), "daemon reports the blocks back in DRAM")
+                # It resumes: the daemon brings them back before the next step.
+                r = cache.region.prefetch(live, wait=True)
+                assert r["queued"] == live.size and r["seconds"] > 0
                 pm = block_pages(cache, live)
                 assert (pm & PM_PRESENT).all() and not (pm & PM_SWAP).any(), "pages not back in memory"
 
             def out_and_read():
-                # Out again, and this time decoding itself faults them back in.
+                # Out again (an operator's move), and this time decoding
+                # itself faults the pages back in.
                 live = cache.live_blocks()
                 seen["read"] = live
                 c.request("migrate", region=cache.region.id, tier=swap, blocks=live.astype("<u4").tobytes())
@@ -132,7 +134,7 @@ def test_generate_with_kvtier_cache_while_blocks_go_to_swap_and_back(swapfile, w
                 assert (block_pages(cache, live) & PM_SWAP).all()
 
             got = generate(model, prompt, past_key_values=cache,
-                           streamer=OnToken({40: out_and_back, 80: out_and_read}))
+                           streamer=OnToken({40: pause_and_resume, 80: out_and_read}))
             assert "out" in seen and "read" in seen, "the streamer never reached its moves"
             assert got.tolist() == reference.tolist()
             # The blocks read after the second page-out are resident again.
@@ -145,6 +147,9 @@ def test_generate_with_kvtier_cache_while_blocks_go_to_swap_and_back(swapfile, w
             assert moved_out >= seen["out"].size + seen["read"].size
             assert moved_in >= seen["out"].size
             assert st["migrated_bytes"][f"0:{swap}"] >= moved_out * cache.region.block_size
+            # Both scheduler hints were timed from request to residency.
+            assert st["release_seconds_hist"]["count"] == seen["out"].size
+            assert st["prefetch_seconds_hist"]["count"] == seen["out"].size
             # Every step hinted exactly the blocks attention read: per layer,
             # ceil(length / tokens per block) blocks at each of its lengths.
             n = cache.tokens_per_block
