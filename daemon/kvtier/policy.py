@@ -8,23 +8,25 @@ adapter: the daemon and the simulator (``kvtier.sim``) run this same code.
 Control law (one call = one tick)
 ---------------------------------
 Temperatures come from ``kvtier.hotness`` (exponentially decayed access
-counts). The policy ranks blocks by (region priority, effective temperature);
-a block whose prefill is done (``F_PREFILL_DONE``) counts only
-``prefill_done_factor`` of its temperature, so finished prompts go first.
+counts; a client's phase ``free`` sets a finished request's blocks to 0).
+The policy ranks blocks by (region priority, effective temperature, then
+recency: equal temperatures go oldest-read first); a block whose prefill is
+done (``F_PREFILL_DONE``) counts only ``prefill_done_factor`` of its
+temperature. Each step is one function (``_step_*``) and records, for the
+blocks it looked at and left alone, the rule that decided (``Plan.stay``,
+``STAY_NAMES``): ``explain`` prints that record.
 
-1. Constraints: blocks that must be elsewhere (``F_KEEP_DRAM`` outside tier 0,
-   ``F_MANUAL_PIN`` with a ``pin_tier`` they are not in, ``F_NEVER_SWAP`` in a
-   swap tier) move there regardless of temperature.
-2. Tenant quotas: a tenant above its DRAM quota has its coldest tier-0 blocks
-   demoted until it is back within quota.
+1. ``_step_constraints``: blocks that must be elsewhere (``F_KEEP_DRAM``
+   outside tier 0, ``F_MANUAL_PIN`` with a ``pin_tier`` they are not in,
+   ``F_NEVER_SWAP`` in a swap tier) move there regardless of temperature.
+2. ``_step_quotas``: a tenant above its DRAM quota has its coldest tier-0
+   blocks demoted until it is back within quota.
 3. For each tier t, fastest first:
-   a. Watermarks. Above the high watermark the coldest residents are demoted
-      one tier down until usage reaches the low watermark (like kswapd). Between
-      the watermarks only blocks colder than ``demote_temp`` are demoted, down
-      to the low watermark: this keeps headroom for new allocations without
-      evicting anything that is in use. What lands on t+1 may push t+1 over its
-      own high watermark; it is handled in t+1's turn (the cascade).
-   b. Promotion into t: blocks in slower tiers at least ``promote_temp`` hot
+   a. ``_step_overflow``: above the high watermark the coldest residents are
+      demoted one tier down until usage reaches the low watermark (like
+      kswapd). What lands on t+1 may push t+1 over its own high watermark; it
+      is handled in t+1's turn (the cascade).
+   b. ``_step_promote``: blocks in slower tiers at least ``promote_temp`` hot
       and hotter than anything step a just demoted from t (that room was made
       for new allocations, not for colder blocks), hottest first. They fill
       the free room below the high watermark (and within the node's
@@ -32,16 +34,27 @@ a block whose prefill is done (``F_PREFILL_DONE``) counts only
       resident of t if it is hotter by the margin (``temp > coldest *
       (1+margin_ratio) + margin_abs + margin_sigma*sqrt(temp+coldest)``, see
       ``exchange_bar``) or has higher priority; the displaced resident goes
-      to t+1. With free room the threshold alone admits a block: nothing has
-      to leave for it. Tier 0 admits a tenant's blocks only within its quota.
-   Hottest candidates meet the coldest residents first, so the exchange stops
-   at the first pair that fails the margin test.
+      to t+1. Tier 0 admits a tenant's blocks only within its quota. Hottest
+      candidates meet the coldest residents first, so the exchange stops at
+      the first pair that fails the margin test.
+   c. ``_step_cold``: between the watermarks, blocks colder than
+      ``demote_temp`` are demoted down to the low watermark: headroom for new
+      allocations without evicting anything in use. When new blocks arrive
+      faster than ``demote_mbps`` (see below) DRAM fills however fast we
+      demote, so then every cold block goes, not just down to the watermark.
+
+New blocks land in DRAM (first touch) at the serving engine's allocation
+rate, so the demotion side must keep up with it: ``PolicyState`` measures the
+inflow (growth of the bytes in measured tiers, which moves do not change) and
+the demote bucket refills at ``max(demote_mbps, 1.5 x inflow)``; the promote
+bucket at ``max(promote_mbps, inflow)``. A fixed rate below the write rate
+would let DRAM fill and every new block land on CXL.
 
 No ping-pong: ``promote_temp > demote_temp`` (hysteresis), the exchange margin,
 ``min_residence_s`` since a block's last move, and at most one move per block
 per plan. Migration bandwidth is a token bucket per direction (promote/demote)
 held in ``PolicyState``; each plan spends tokens and stops when they run out
-(``refund`` gives back what failed).
+(``refund`` gives back what failed or was not done).
 Blocks the kernel could not move are skipped until ``retry_at``
 (``record_results`` sets it with exponential backoff) or forever once marked
 ``F_UNMOVABLE``, so failures neither eat the budget every tick nor spin.
@@ -49,7 +62,9 @@ Blocks whose tier is not measured (``TIER_UNKNOWN``) or straddles tiers
 (``TIER_MIXED``) are never planned; the migrator measures them first.
 
 Plan order: demotions first (slowest source tier first, so each one lands in
-room the one before made), then promotions (fastest destination first).
+room the one before made), then promotions (fastest destination first), then
+the proactive cold demotions of step c: a migrator short of time drops those
+first.
 """
 
 from __future__ import annotations
@@ -157,8 +172,8 @@ class PolicyConfig:
     margin_abs: float = 1.0
     margin_sigma: float = 3.0  # counting-noise margin, in sqrt(temperature) units
     min_residence_s: float = 5.0
-    promote_mbps: float = 2048.0  # MiB/s
-    demote_mbps: float = 2048.0
+    promote_mbps: float = 4096.0  # MiB/s
+    demote_mbps: float = 4096.0
     burst_s: float = 1.0  # token bucket depth in seconds of rate
     tenant_dram_quota: Mapping[int, int] = field(default_factory=dict)  # tenant -> bytes
     prefill_done_factor: float = 0.25
@@ -192,7 +207,7 @@ class PolicyConfig:
 # Time constant of the allocation-rate estimate: long enough to ride over a
 # burst of arrivals, short enough to follow the load within a minute.
 INFLOW_TAU_S = 10.0
-_INFLOW_FACTOR = 1.5
+_DEMOTE_FACTOR = 1.5
 _PROMOTE_FACTOR = 1.0
 
 
@@ -213,7 +228,7 @@ def _demote_rate(cfg: PolicyConfig, inflow_bps: float) -> float:
     """Bytes/s the demote bucket refills at: the configured rate, or twice the
     allocation rate if that is more, so room lost to a burst of allocations
     comes back as fast as it went."""
-    return max(cfg.demote_mbps * MIB, _INFLOW_FACTOR * inflow_bps)
+    return max(cfg.demote_mbps * MIB, _DEMOTE_FACTOR * inflow_bps)
 
 
 @dataclass(frozen=True)
@@ -223,31 +238,33 @@ class PolicyState:
 
     New blocks land in DRAM (first touch) at the serving engine's allocation
     rate; to keep room for them the demotion side must move at least that
-    fast, so the demote bucket refills at ``max(demote_mbps, 2 * inflow)``. The
-    inflow is what tier 0 gained since the last plan beyond what that plan
-    moved there (``expect_used0``), averaged over ``INFLOW_TAU_S``.
+    fast, so the demote bucket refills at ``max(demote_mbps, 1.5 * inflow)``.
+    The inflow is what the measured tiers together gained since the last plan
+    (moves do not change the total; new blocks do, wherever they landed: a
+    full DRAM sends them to CXL, and they must still count), averaged over
+    ``INFLOW_TAU_S``.
     """
 
     promote_tokens: float | None = None
     demote_tokens: float | None = None
     last_now: float | None = None
-    expect_used0: float | None = None  # tier-0 bytes once the last plan's moves are done
+    last_total: float | None = None  # bytes in measured tiers at the last plan
     inflow_bps: float = 0.0
 
-    def refill(self, cfg: PolicyConfig, now: float, max_block: float, used0: float = 0.0) -> "PolicyState":
+    def refill(self, cfg: PolicyConfig, now: float, max_block: float, total: float = 0.0) -> "PolicyState":
         if self.last_now is None or self.promote_tokens is None or self.demote_tokens is None:
             bp, bd = _bursts(cfg, max_block)
-            return PolicyState(bp, bd, now, None, 0.0)
+            return PolicyState(bp, bd, now, total, 0.0)
         dt = max(0.0, now - self.last_now)
         inflow = self.inflow_bps
-        if dt > 0 and self.expect_used0 is not None:
-            seen = max(0.0, used0 - self.expect_used0) / dt
+        if dt > 0 and self.last_total is not None:
+            seen = max(0.0, total - self.last_total) / dt
             a = 1.0 - math.exp(-dt / INFLOW_TAU_S)
             inflow += a * (seen - inflow)
         bp, bd = _bursts(cfg, max_block, inflow)
         p = min(bp, self.promote_tokens + _promote_rate(cfg, inflow) * dt)
         d = min(bd, self.demote_tokens + _demote_rate(cfg, inflow) * dt)
-        return PolicyState(p, d, max(now, self.last_now), self.expect_used0, inflow)
+        return PolicyState(p, d, max(now, self.last_now), total if dt > 0 else self.last_total, inflow)
 
 
 @dataclass(frozen=True)
@@ -385,9 +402,13 @@ def exchange_bar(eff_r, cfg: PolicyConfig, eff_c=None):
     steady rate the spread is about sqrt(temp). Comparing the hottest outsider
     with the coldest insider picks the extremes of that noise, so without the
     sigma term two blocks of equal rate would swap places every few ticks.
+    The noise of a difference of two such counts is about sqrt(2 x temp) at
+    equal rates, the case the margin exists for. It is the resident's: a
+    resident at 0 (a finished request's block, after phase ``free``) has no
+    count to be noisy about, and any block read more than ``margin_abs``
+    times displaces it. (``eff_c`` is accepted for callers and ignored.)
     """
-    c = eff_r if eff_c is None else eff_c
-    return eff_r * (1.0 + cfg.margin_ratio) + cfg.margin_abs + cfg.margin_sigma * np.sqrt(np.maximum(eff_r + c, 0.0))
+    return eff_r * (1.0 + cfg.margin_ratio) + cfg.margin_abs + cfg.margin_sigma * np.sqrt(np.maximum(2.0 * eff_r, 0.0))
 
 
 def _group_cumsum(groups: np.ndarray, vals: np.ndarray) -> np.ndarray:
@@ -441,6 +462,7 @@ class _Tick:
         self.pin_tier = snap["pin_tier"].astype(np.int64)
         target = np.array([cfg.target_bytes(t) for t in tiers])
         self.high, self.low = target * cfg.high_wm, target * cfg.low_wm
+        self.state = state
         self.b = _Builder(snap, T, state)
         # Why each block stays, most specific last (a later rule overrides).
         stay = np.full(tier.size, S_PLACED, dtype=np.uint8)
@@ -587,11 +609,19 @@ def _step_cold(x: _Tick, t: int) -> None:
     if not cfg.cold_demote or b.used[t] > x.high[t]:
         return
     cand = np.flatnonzero(x.demotable(t) & (x.eff < cfg.demote_temp))
-    if cand.size == 0 or b.used[t] <= x.low[t]:
+    low = x.low[t]
+    if t == 0 and x.state.inflow_bps > cfg.demote_mbps * MIB:
+        # New blocks arrive faster than the migration rate we assume
+        # (demote_mbps): DRAM will fill however fast we demote, and every cold
+        # block out early is one more new block landing in DRAM later. Demote
+        # all that is cold, not just down to the low watermark (still last in
+        # the plan: it only takes migrator time nothing else wants).
+        low = 0.0
+    if cand.size == 0 or b.used[t] <= low:
         x.mark(cand, S_WATERMARK)
         return
     k = min(b.budget_rows("demote", int(b.nb[cand].min())), cand.size)
-    b.take(_ordered(cand, x.key, k, hottest_first=False), t + 1, R_COLD, b.used[t] - x.low[t])
+    b.take(_ordered(cand, x.key, k, hottest_first=False), t + 1, R_COLD, b.used[t] - low)
     x.mark(cand, S_WATERMARK)  # the rest: the tier is at its low watermark now (or tokens ran out)
 
 
@@ -606,8 +636,8 @@ def plan(
     tiers = sorted(tiers, key=lambda t: t.index)
     n = int(snap["tier"].size)
     max_block = float(snap["nbytes"].max()) if n else 0.0
-    used0 = float(snap["nbytes"][snap["tier"] == 0].sum()) if n else 0.0
-    state = state.refill(cfg, now, max_block, used0)
+    total = float(snap["nbytes"][(snap["tier"] >= 0) & (snap["tier"] < len(tiers))].sum()) if n else 0.0
+    state = state.refill(cfg, now, max_block, total)
     if n == 0 or not tiers:
         return empty_plan(), state
     x = _Tick(snap, tiers, cfg, state, now)
@@ -621,7 +651,6 @@ def plan(
     out = replace(b.plan(), stay=x.stay)
     return out, replace(
         state, promote_tokens=max(0.0, b.tokens["promote"]), demote_tokens=max(0.0, b.tokens["demote"]),
-        expect_used0=float(b.used[0]),
     )
 
 
@@ -648,9 +677,6 @@ def refund(state: PolicyState, plan_: Plan, ok_mask: np.ndarray, cfg: PolicyConf
         state,
         promote_tokens=min(bp, state.promote_tokens + float(plan_.nbytes[bad & up].sum())),
         demote_tokens=min(bd, state.demote_tokens + float(plan_.nbytes[bad & ~up].sum())),
-        # what did not leave (or reach) tier 0 is not new allocation there
-        expect_used0=None if state.expect_used0 is None else state.expect_used0
-        + float(plan_.nbytes[bad & (plan_.src == 0)].sum()) - float(plan_.nbytes[bad & (plan_.dst == 0)].sum()),
     )
 
 

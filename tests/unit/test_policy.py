@@ -502,3 +502,49 @@ def test_explain_of_a_move_names_its_rule():
     assert "plan: move tier 1 -> 0 (promote)" in s
     s = explain(t.snapshot(), 0, tiers(4), cfg(), PolicyState(), 100.0)
     assert "plan: move tier 0 -> 1 (evict)" in s or "(cold)" in s
+
+
+def test_demote_bucket_follows_the_allocation_rate():
+    # DRAM of 100 blocks; 20 new blocks (40 MiB) appear every second, above a
+    # 8 MiB/s demote rate. The inflow estimate must raise the demote bucket.
+    c = cfg(demote_mbps=8.0, promote_mbps=8.0, low_wm=0.5, high_wm=0.9)
+    t = make_table(400, tier=1, temp=0.0)
+    t.flags[:] |= np.uint8(F_NOT_PRESENT)
+    t.tier[:] = TIER_UNKNOWN
+    st = PolicyState()
+    demoted, inflow = [], []
+    for sec in range(30):
+        new = slice(20 * sec, 20 * sec + 20) if sec < 20 else slice(0, 0)
+        t.tier[new] = 0
+        t.flags[new] &= ~np.uint8(F_NOT_PRESENT)
+        p, st = plan(t.snapshot(), tiers(100), c, st, float(sec))
+        apply(t, p, float(sec), c)
+        demoted.append(p.demote_bytes)
+        inflow.append(st.inflow_bps)
+    assert max(inflow) > 8.0 * MIB
+    # more than the 8 MiB/s bucket alone could give in some second
+    assert max(demoted) > 8 * MIB
+
+
+def test_cold_demotions_run_after_promotions():
+    # DRAM half full of cold blocks between the watermarks, a hot block in CXL:
+    # the promotion is planned before the proactive cold demotions.
+    t = make_table(12, tier=0, temp=0.0)
+    t.tier[10:] = 1
+    t.temp[10:] = 50.0
+    c = cfg(low_wm=0.5, high_wm=0.95)
+    p, _ = plan(t.snapshot(), tiers(11), c, PolicyState(), 100.0)
+    up = np.flatnonzero(p.dst < p.src)
+    cold = np.flatnonzero(p.reason == R_COLD)
+    assert up.size and cold.size and up.max() < cold.min()
+
+
+def test_a_finished_requests_block_is_displaced_by_any_read_block():
+    # a resident at 0 (phase free) has no counting noise: a block read a few
+    # times displaces it, even with the sigma margin on
+    c = cfg(margin_sigma=3.0, margin_ratio=0.25, margin_abs=1.0)
+    t = make_table(3, tier=0, temp=0.0)
+    t.tier[2] = 1
+    t.temp[2] = 4.0
+    p, _ = plan(t.snapshot(), tiers(2), c, PolicyState(), 100.0)
+    assert 2 in p.rows[p.dst == 0].tolist()

@@ -46,7 +46,7 @@ def test_feasible_oracle_reaches_the_optimum_with_a_fast_migrator():
     # C for B after tick 1: 23 of 24 reads from DRAM.
     r = simulate(oracle_trace(), tiers_cfg(2), FeasibleOracle())
     assert r.served == [23.0, 1.0]
-    assert r.migrated_bytes == {"dram->cxl": 2 * BS, "cxl->dram": 2 * BS}
+    assert r.migrated_bytes["cxl->dram"] == 2 * BS  # C, then B; blocks never read again leave with spare time
 
 
 def test_feasible_oracle_stays_within_the_migrator_budget():
@@ -55,7 +55,7 @@ def test_feasible_oracle_stays_within_the_migrator_budget():
     one_move = 1.5 * BS / 1e9  # GB/s: one block move takes ~0.67 s of the 1 s tick
     r = simulate(oracle_trace(), tiers_cfg(2, migrate_gbps=one_move), FeasibleOracle())
     assert r.served == [13.0, 11.0]
-    assert sum(r.migrated_bytes.values()) <= 2 * BS  # at most one move in each of the two ticks
+    assert sum(r.migrated_bytes.values()) <= r.ticks * BS  # at most one move per tick
 
 
 def _min_misses(seq, cap):

@@ -6,9 +6,10 @@ placement of new blocks, the same DRAM capacity, and the same migrator with
 its per-tick time budget. What it has that no online policy has is the
 future: before each tick it knows when every block will be read next (and
 how much), and which blocks the next tick allocates. It keeps DRAM for the
-blocks read soonest (farthest next use is evicted first, Belady's rule),
-first making room for the next tick's allocations, then exchanging a CXL
-block for a DRAM one only where the CXL block is read sooner. It is a real
+blocks read soonest (farthest next use is evicted first, Belady's rule):
+first it makes room for the next tick's allocations, then exchanges a CXL
+block for a DRAM one where the CXL block is read sooner, and with the time
+left it moves out every resident not read within the next minute. It is a real
 target: a policy that approaches it cannot be doing much better with the
 same machine. It is not proven optimal under a bandwidth limit (a budgeted
 placement problem has no known greedy optimum), so an online policy could in
@@ -69,7 +70,9 @@ def _key(nu: np.ndarray, nc: np.ndarray) -> np.ndarray:
 class FeasibleOracle(SimPolicy):
     name = "feasible-oracle"
     needs_future = True
-    LOOKAHEAD_S = 10.0  # how far ahead it makes room for allocations
+    # Residents not read within this horizon leave DRAM when the migrator has
+    # time to spare (step 3 of decide); blocks read within it are kept.
+    LOOKAHEAD_S = 60.0
 
     def attach(self, eng):
         super().attach(eng)
@@ -95,8 +98,10 @@ class FeasibleOracle(SimPolicy):
            has room), evicting the residents read farthest in the future;
         2. promotions of slower blocks read soon, into room beyond what the
            coming allocations need, else in exchange for a resident read later;
-        3. more room, for the allocations of the next ``LOOKAHEAD_S``, evicting
-           only residents read after those allocations arrive.
+        3. with the migrator time left, every resident not read within
+           ``LOOKAHEAD_S`` leaves: room for the allocations to come (when new
+           blocks arrive faster than the migrator moves, DRAM fills however
+           late one starts, so the earlier the better).
         The migrator stops where its time runs out, so 3 goes first."""
         eng = self.eng
         k = eng.k
@@ -132,13 +137,13 @@ class FeasibleOracle(SimPolicy):
         npair = m if better.all() else int(np.argmin(better))
         # 3. room for the allocations of the horizon, evicting what is read after it
         v3 = victims[n1 + npair :]
-        n3 = int(min(max(0, allocw - (free - f)), np.count_nonzero(key[v3] >= k + 1 + horizon)))
+        n3 = int(np.count_nonzero(key[v3] >= k + 1 + horizon))
         parts = [victims[:n1], cand[:f], np.column_stack([vrest[:npair], rest[:npair]]).ravel(), v3[:n3]]
+        downs = [np.ones(n1, bool), np.zeros(f, bool), np.tile(np.array([True, False]), npair), np.ones(n3, bool)]
         rows = np.concatenate(parts)
         if rows.size == 0:
             return empty
-        is_down = np.concatenate([np.ones(n1, bool), np.zeros(f, bool),
-                                  np.tile(np.array([True, False]), npair), np.ones(n3, bool)])
+        is_down = np.concatenate(downs)
         dst = np.zeros(rows.size, np.int8)
         dst[is_down] = eng.demote_target(rows[is_down])
         return rows, dst
