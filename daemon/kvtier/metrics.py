@@ -107,7 +107,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "kvtier_migrated_bytes": ("counter", ("src", "dst"), "Bytes migrated, by source and destination tier."),
     "kvtier_migration_failures": ("counter", ("src", "dst", "reason"),
                                   "Failed block migrations by tiers and reason (errno name)."),
-    "kvtier_migration_duration_seconds": ("histogram", (), "Wall time of one migration job (a tick's moves and measurements)."),
+    "kvtier_migration_duration_seconds": ("histogram", (), "Wall time of one migration job (a plan's moves)."),
     "kvtier_prefetch_duration_seconds": ("histogram", (), "Time from a prefetch request to the block being in tier 0."),
     "kvtier_release_duration_seconds": ("histogram", (), "Time from a release request to the block being one tier down."),
     "kvtier_tick_duration_seconds": ("histogram", (), "Wall time of one policy tick (snapshot, plan, act)."),
@@ -115,7 +115,15 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "kvtier_ticks": ("counter", (), "Policy ticks run."),
     "kvtier_tick_errors": ("counter", (), "Ticks that raised an error (the loop continued)."),
     "kvtier_ticks_skipped_busy": ("counter", (), "Ticks whose act phase was skipped: previous migration still running."),
-    "kvtier_residency_scans": ("counter", (), "Full re-measurements of where every block's pages are."),
+    "kvtier_residency_scans": ("counter", (), "Residency measuring jobs (stale blocks whole, a rotating sample of the rest)."),
+    "kvtier_residency_pages": ("counter", (), "Pages whose placement was asked (bounded by daemon.residency_pages_per_s)."),
+    "kvtier_residency_blocks": ("counter", ("how",), "Blocks measured: whole (stale) or sampled (a window of pages)."),
+    "kvtier_residency_seconds": ("counter", (), "Wall time of the measuring thread in its jobs."),
+    "kvtier_residency_pass_seconds": ("gauge", (), "How long the rotating sample took to visit every block, last time."),
+    "kvtier_source_cpu_seconds": ("counter", ("source", "where"),
+                                  "CPU time of a hotness source: in the daemon's collect, or its kernel thread (kdamond)."),
+    "kvtier_source_slowdown": ("gauge", ("source",),
+                               "1 = the source runs every tick; 2..64 = backed off, over daemon.source_cpu_budget."),
     "kvtier_regions": ("gauge", (), "Registered regions."),
     "kvtier_clients": ("gauge", (), "Processes with at least one registered region."),
     "kvtier_blocks": ("gauge", (), "Registered KV blocks."),
@@ -332,8 +340,16 @@ class Collector:
                                 value=s.tick_seconds_last)
         for name, value in (("kvtier_ticks", s.ticks_total), ("kvtier_tick_errors", s.tick_errors_total),
                             ("kvtier_ticks_skipped_busy", s.ticks_skipped_busy),
-                            ("kvtier_residency_scans", s.residency_scans_total)):
+                            ("kvtier_residency_scans", s.residency_scans_total),
+                            ("kvtier_residency_pages", s.residency_pages_total),
+                            ("kvtier_residency_seconds", s.residency_seconds_sum)):
             yield CounterMetricFamily(name, METRICS[name][2], value=value)
+        fam = _counter("kvtier_residency_blocks")
+        fam.add_metric(["whole"], s.residency_full_blocks_total)
+        fam.add_metric(["sampled"], s.residency_blocks_total - s.residency_full_blocks_total)
+        yield fam
+        yield GaugeMetricFamily("kvtier_residency_pass_seconds", METRICS["kvtier_residency_pass_seconds"][2],
+                                value=s.residency_pass_seconds)
 
     def _registry_metrics(self) -> Iterator[Metric]:
         s = self.stats
@@ -383,6 +399,17 @@ class Collector:
             for name, active, reason in self.sources():
                 fam.add_metric([name, reason or ""], 1 if active else 0)
         yield fam
+        s = self.stats
+        cpu = _counter("kvtier_source_cpu_seconds")
+        for name, v in sorted(s.source_cpu_seconds.items()):
+            cpu.add_metric([name, "daemon"], v)
+        for name, v in sorted(s.source_kernel_seconds.items()):
+            cpu.add_metric([name, "kernel"], v)
+        yield cpu
+        slow = _gauge("kvtier_source_slowdown")
+        for name, v in sorted(s.source_slowdown.items()):
+            slow.add_metric([name], v)
+        yield slow
 
 
 def _gauge(name: str) -> GaugeMetricFamily:
