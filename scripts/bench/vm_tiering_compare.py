@@ -250,6 +250,8 @@ def run_mode(mode: str, seconds: float) -> dict:
 
         stop = threading.Event()
         rounds = [0]
+        hint_s = [0.0]  # the workload's time inside region.hint(): what hinting costs the engine
+        loop_s = [0.0]
 
         region = None
         if mode.startswith("kvtier"):
@@ -262,12 +264,16 @@ def run_mode(mode: str, seconds: float) -> dict:
         hints = mode == "kvtier_hints"
 
         def touch():
+            t_start = time.perf_counter()
             while not stop.is_set():
                 first = hot["first"]
                 child.ask(f"touch {first * BLOCK} {HOT_BLOCKS * BLOCK}")
                 if hints:
+                    h0 = time.perf_counter()
                     region.hint(np.arange(first, first + HOT_BLOCKS))
+                    hint_s[0] += time.perf_counter() - h0
                 rounds[0] += 1
+            loop_s[0] = time.perf_counter() - t_start
 
         demotion_old = read(DEMOTION_ENABLED) if os.path.exists(DEMOTION_ENABLED) else None
         if mode == "numa_tiering":
@@ -310,6 +316,8 @@ def run_mode(mode: str, seconds: float) -> dict:
         if daemon:
             extra["kvtierd_cpu_s"] = round(cpu_seconds(daemon.proc.pid) - kcpu0, 2)
             extra["sources"] = daemon.sources()
+            # what the daemon itself accounted to its kdamond(s), stopped ones included
+            kd_status = extra["sources"].get("damon", {}).get("kernel_cpu_s")
             # kvtierd's DAMON source starts its kdamond at registration: all
             # of that kernel thread's CPU time belongs to this run.
             from kvtier.kernel.sysfs_io import SysfsIO
@@ -318,6 +326,8 @@ def run_mode(mode: str, seconds: float) -> dict:
             kd = "kernel/mm/damon/admin/kdamonds/0/pid"
             if io.exists(kd) and io.read_int(kd) > 0:
                 extra["kdamond_cpu_s"] = round(cpu_seconds(io.read_int(kd)), 2)
+            if kd_status is not None:
+                extra["kdamond_cpu_s"] = round(max(extra.get("kdamond_cpu_s", 0.0), kd_status), 2)
         if mode == "numa_tiering":
             write(NUMA_BALANCING, 0)
             if demotion_old is not None:
@@ -328,6 +338,8 @@ def run_mode(mode: str, seconds: float) -> dict:
             "setup_move_s": round(setup_s, 2),
             "pool_on_far_at_start": round(on_far, 4),
             "touch_rounds": rounds[0],
+            "hint_call_s": round(hint_s[0], 3),
+            "hint_share": round(hint_s[0] / loop_s[0], 5) if loop_s[0] > 0 else None,
             "series": series,
             "vmstat": delta,
             "migrated_mib": round(delta["pgmigrate_success"] * page / MiB, 1),
@@ -376,12 +388,28 @@ def time_to(series: list[dict], phase: int, frac: float) -> float | None:
     return None
 
 
+def ratio(m: dict, damos: dict | None) -> str:
+    """kvtierd's CPU plus the kdamond it ran, over DAMOS paddr's kdamonds' (same run)."""
+    if "kvtierd_cpu_s" not in m or not damos or not damos.get("kdamond_cpu_s"):
+        return "-"
+    own = m["kvtierd_cpu_s"] + m.get("kdamond_cpu_s", 0.0)
+    return f"{own:.2f} s = {own / damos['kdamond_cpu_s']:.2f}x"
+
+
+def hint_cost(m: dict) -> str:
+    if not m.get("hint_call_s") or m.get("hint_share") is None:
+        return "-"
+    return f"{m['hint_call_s']:.2f} s = {m['hint_share']:.2%}"
+
+
 def table(res: dict) -> str:
     lines = [
         "| mode | hot set on DRAM at end of phase 1 / 2 | time to 90% (phase 1 / 2) | migrated MiB "
-        "| promote / hint faults | workload CPU s | kdamond CPU s | kvtierd CPU s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| promote / hint faults | workload CPU s | kdamond CPU s | kvtierd CPU s | kvtier + its kdamond "
+        "/ DAMOS kdamonds | workload time in hint() |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    damos = next((m for m in res["modes"] if m["mode"] == "damos_paddr"), None)
     for m in res["modes"]:
         s = m["series"]
         end = [max((p for p in s if p["phase"] == ph), key=lambda p: p["t"], default=None) for ph in (0, 1)]
@@ -393,7 +421,8 @@ def table(res: dict) -> str:
             mig += f" (hot {m['migrate_hot_bytes'] / MiB:.0f} up, cold {m['migrate_cold_bytes'] / MiB:.0f} down)"
         lines.append(
             f"| {m['mode']} | {ends} | {tt} | {mig} | {v['pgpromote_success']} / {v['numa_hint_faults']} "
-            f"| {m['workload_cpu_s']} | {m.get('kdamond_cpu_s', '-')} | {m.get('kvtierd_cpu_s', '-')} |"
+            f"| {m['workload_cpu_s']} | {m.get('kdamond_cpu_s', '-')} | {m.get('kvtierd_cpu_s', '-')} "
+            f"| {ratio(m, damos)} | {hint_cost(m)} |"
         )
     return "\n".join(lines)
 
