@@ -2,6 +2,7 @@
 
     kvtierctl status | stats | tiers | regions [--pid P] | blocks REGION
     kvtierctl migrate REGION TIER [--blocks 0-15,40] [--pin]
+    kvtierctl measure REGION [--blocks 0-15,40]
     kvtierctl pin REGION [--tier T] [--blocks ...] | unpin REGION [--blocks ...]
     kvtierctl explain REGION BLOCK
     kvtierctl ages                (bytes by time since last access, per tier and tenant)
@@ -176,6 +177,11 @@ def cmd_migrate(c: Client, a) -> tuple[Any, str]:
     return r, text
 
 
+def cmd_measure(c: Client, a) -> tuple[Any, str]:
+    r = c.request("measure", region=a.region, blocks=parse_blocks(a.blocks))
+    return r, f"measuring {r['queued']} block(s) of region {a.region} page by page with the next ticks"
+
+
 def cmd_pin(c: Client, a) -> tuple[Any, str]:
     tier = None if a.tier is None else resolve_tier(c, a.tier)
     r = c.request("pin", region=a.region, tier=tier, blocks=parse_blocks(a.blocks))
@@ -217,7 +223,7 @@ def cmd_topology(a) -> tuple[Any, str]:
 
 COMMANDS = {
     "status": cmd_status, "stats": cmd_stats, "tiers": cmd_tiers, "regions": cmd_regions,
-    "blocks": cmd_blocks, "migrate": cmd_migrate, "pin": cmd_pin, "unpin": cmd_unpin, "explain": cmd_explain,
+    "blocks": cmd_blocks, "migrate": cmd_migrate, "measure": cmd_measure, "pin": cmd_pin, "unpin": cmd_unpin, "explain": cmd_explain,
     "ages": cmd_ages,
 }
 
@@ -253,6 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("tier", help="tier index or name")
     p.add_argument("--blocks", help="e.g. 0-15,40 (default: all)")
     p.add_argument("--pin", action="store_true", help="also pin them there so the policy leaves them")
+    p = sub.add_parser("measure", parents=[common],
+                       help="re-measure where blocks' pages are, every page, now (outside the residency budget)")
+    p.add_argument("region", type=int)
+    p.add_argument("--blocks", help="e.g. 0-15,40 (default: all)")
     p = sub.add_parser("pin", parents=[common], help="keep blocks in a tier (default: where they are)")
     p.add_argument("region", type=int)
     p.add_argument("--tier")

@@ -40,7 +40,7 @@ DEFAULT_SOCKET = "/run/kvtierd/kvtierd.sock"
 
 CAPABILITIES = (
     "register", "hint", "phase", "query", "stats", "pidfd-lifetime", "persist",
-    "status", "tiers", "regions", "blocks", "migrate", "pin", "explain", "allocate",
+    "status", "tiers", "regions", "blocks", "migrate", "measure", "pin", "explain", "allocate",
     "prefetch", "release",
 )
 
@@ -168,6 +168,11 @@ class Migrate(Request, tag="migrate"):
     blocks: Packed | None = None
 
 
+class Measure(Request, tag="measure"):
+    region: RegionId
+    blocks: Packed | None = None
+
+
 class Pin(Request, tag="pin"):
     region: RegionId
     tier: Tier | None = None  # None: pin where the block is now
@@ -205,7 +210,7 @@ class Ages(Request, tag="ages"):
 
 AnyRequest = Union[
     Hello, Register, Allocate, Unregister, Hint, Phase, Query, Stats, Status, Tiers, Regions,
-    Blocks, Migrate, Pin, Unpin, Explain, Ages, Prefetch, Release,
+    Blocks, Migrate, Measure, Pin, Unpin, Explain, Ages, Prefetch, Release,
 ]
 REQUEST_TYPES: tuple[type[Request], ...] = AnyRequest.__args__  # type: ignore[attr-defined]
 OPS = {t.__struct_config__.tag: t for t in REQUEST_TYPES}

@@ -465,6 +465,11 @@ class ControlAPI:
         rows = self.registry.rows(req.region, protocol.unpack(req.blocks, protocol.BLOCKS_DTYPE, "blocks"))
         return {"queued": self.engine.request_move(rows, req.tier)}
 
+    def op_measure(self, peer: Peer, req: protocol.Measure) -> dict:
+        self._own(peer, req.region)
+        rows = self.registry.rows(req.region, protocol.unpack(req.blocks, protocol.BLOCKS_DTYPE, "blocks"))
+        return {"queued": self.engine.request_measure(rows)}
+
     def op_pin(self, peer: Peer, req: protocol.Pin) -> dict:
         self._own(peer, req.region)
         self.engine.check_tier(req.tier)

@@ -80,7 +80,7 @@ def test_every_op_round_trips(op, fields):
 
 def test_ops_table_is_complete():
     assert set(protocol.OPS) == {"hello", "register", "allocate", "unregister", "hint", "phase", "query", "stats",
-                                 "status", "tiers", "regions", "blocks", "migrate", "pin", "unpin", "explain", "ages",
+                                 "status", "tiers", "regions", "blocks", "migrate", "measure", "pin", "unpin", "explain", "ages",
                                  "prefetch", "release"}
 
 
