@@ -220,6 +220,19 @@ OPTIONS: tuple[Option, ...] = (
     Option("limits", "max_connections", int, 1024, "Open client connections.", 1, 1 << 20),
     Option("limits", "max_connections_per_uid", int, 128,
            "Open connections of one user id.", 1, 1 << 20),
+    Option("limits", "reserved_connections", int, 16,
+           "Of max_connections, kept for root and security.admin_group (kvtierctl works under a flood).",
+           0, 1 << 20),
+    Option("limits", "max_pending_bytes_per_uid", int, 32 * MIB,
+           "Bytes of requests received and not yet answered (mostly incomplete frames) across one "
+           "uid's connections; the connection that goes past it is closed.", 4096, 1 << 40),
+    Option("limits", "frame_timeout", float, 10.0,
+           "Seconds a frame may take from its first byte to its last; a stalled frame closes the "
+           "connection.", 0.01, 3600.0),
+    Option("limits", "idle_timeout", float, 600.0,
+           "Seconds a connection may stay without a request before it is closed (registrations "
+           "belong to the process and survive; the client library reconnects); 0 disables.",
+           0.0, 1e9),
     # -- policy (kvtier.policy.PolicyConfig; the control law is in policy.py) --
     Option("policy", "capacity", dict, _field_default(_P, "capacity"),
            "Per tier index: the share of the tier kvtier may fill (<= 1.0) or a byte count (> 1), "

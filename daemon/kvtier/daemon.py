@@ -127,9 +127,7 @@ class Daemon:
         self.api = ControlAPI(self.registry, self.engine, self.stats, lim.max_message_bytes, VERSION)
         self.server = Server(
             self.api, self.stats, path=d.socket, mode=d.socket_mode, group=d.socket_group,
-            admin_group=cfg.security.admin_group, max_message_bytes=lim.max_message_bytes,
-            requests_per_second=lim.requests_per_second, request_burst=lim.request_burst,
-            max_connections=lim.max_connections, max_connections_per_uid=lim.max_connections_per_uid,
+            admin_group=cfg.security.admin_group, limits=lim,
             inherited_fds=self.inherited_fds, proc_root=d.proc_root,
         )
 

@@ -133,6 +133,8 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "kvtier_connections": ("gauge", (), "Open client connections."),
     "kvtier_connections_accepted": ("counter", (), "Client connections accepted."),
     "kvtier_connections_refused": ("counter", (), "Connections refused (max_connections limits)."),
+    "kvtier_connections_timed_out": ("counter", (),
+                                     "Connections closed for a stalled frame or idleness (limits.frame_timeout, idle_timeout)."),
     "kvtier_requests": ("counter", ("op",), "Protocol requests by operation."),
     "kvtier_request_errors": ("counter", ("op", "code"), "Protocol error responses by operation and error code."),
     "kvtier_hinted_blocks": ("counter", (), "Block indices received in hint requests."),
@@ -385,6 +387,8 @@ class Collector:
                                   value=s.connections_total)
         yield CounterMetricFamily("kvtier_connections_refused", METRICS["kvtier_connections_refused"][2],
                                   value=s.connections_refused)
+        yield CounterMetricFamily("kvtier_connections_timed_out", METRICS["kvtier_connections_timed_out"][2],
+                                  value=s.connections_timed_out)
         req, err = _counter("kvtier_requests"), _counter("kvtier_request_errors")
         for op, n in sorted(s.requests.items()):
             req.add_metric([str(op)], n)

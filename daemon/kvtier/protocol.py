@@ -295,12 +295,16 @@ def decode_request(payload: bytes | memoryview) -> Request:
         raise ProtocolError(E_INVALID_REQUEST, str(e), req_id=_salvage_id(payload)) from None
     except msgspec.DecodeError as e:
         raise ProtocolError(E_INVALID_REQUEST, f"malformed msgpack: {e}") from None
+    except RecursionError:
+        # msgspec recurses per nesting level, also inside ignored unknown
+        # keys; a few KiB of 0x91 bytes reach Python's recursion limit.
+        raise ProtocolError(E_INVALID_REQUEST, "malformed msgpack: nested too deeply") from None
 
 
 def _salvage_id(payload: bytes | memoryview) -> int:
     try:
         rid = _id_decoder.decode(payload).id
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return 0
     # bool is an int subclass: an id of `false` must not be echoed as one.
     return rid if type(rid) is int and 0 <= rid < (1 << 63) else 0

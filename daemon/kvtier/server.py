@@ -27,6 +27,7 @@ import socket
 import stat
 import struct
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -530,6 +531,9 @@ class Connection(asyncio.Protocol):
         self.write_paused = False  # the client is not reading its answers
         self.read_paused = False
         self.turn_queued = False
+        self.held = 0  # bytes of input accounted to the uid (Server.hold)
+        self.frame_started = 0.0  # monotonic time the incomplete frame began; 0 = none
+        self.last_request = time.monotonic()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -576,6 +580,7 @@ class Connection(asyncio.Protocol):
     def _fail(self, err: protocol.ProtocolError) -> None:
         st = self.server.stats
         st.errors[("frame", err.code)] += 1
+        self.server.malformed_log.note(self.peer, err)
         if self.transport is not None:
             self.transport.write(protocol.error(err.req_id, err))
             self.closing = True
@@ -586,6 +591,14 @@ class Connection(asyncio.Protocol):
             return
         self.server.stats.bytes_in += len(data)
         self.reader.push(data)
+        if not self.frame_started:
+            self.frame_started = time.monotonic()
+        if not self.server.hold(self, self.reader.pending):
+            lim = self.server.limits
+            self._fail(protocol.ProtocolError(
+                protocol.E_LIMIT, f"uid {self.peer.uid} holds more than {lim.max_pending_bytes_per_uid} bytes "
+                "of unanswered requests (limits.max_pending_bytes_per_uid)", fatal=True))
+            return
         if not self.turn_queued:
             self._turn(queued=False)
 
@@ -612,6 +625,9 @@ class Connection(asyncio.Protocol):
                 return
             if payload is None:
                 break
+            self.last_request = time.monotonic()
+            if self.reader.pending:
+                self.frame_started = self.last_request  # the next frame's bytes have begun
             answer = self._answer(payload)
             out.append(answer)
             held += len(answer)
@@ -621,7 +637,18 @@ class Connection(asyncio.Protocol):
         else:
             self._queue_turn()
         self._write(out)
+        self._track_input()
         self._update_reading()
+
+    def _track_input(self) -> None:
+        """After frames were taken out: what is left is accounted, and the
+        frame deadline restarts with the next frame's first byte."""
+        if self.closing:
+            return
+        pending = self.reader.pending
+        self.server.hold(self, pending)
+        if not pending:
+            self.frame_started = 0.0
 
     def _write(self, out: list[bytes]) -> None:
         if out and self.transport is not None:
@@ -650,6 +677,8 @@ class Connection(asyncio.Protocol):
             err = _error_of(exc)
             if err.code == protocol.E_INTERNAL:
                 log.exception("internal error serving %s from pid %s", op, self.peer.pid)
+            elif op == "?":
+                self.server.malformed_log.note(self.peer, err)
             st.errors[(op, err.code)] += 1
             return protocol.error(rid or err.req_id, err)
 
@@ -729,6 +758,54 @@ def bind_unix(path: str, mode: int, group: str) -> socket.socket:
     return sock
 
 
+@dataclass
+class ServerLimits:
+    """The [limits] keys the transport enforces (config.py documents them)."""
+
+    max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE
+    requests_per_second: float = 50000.0
+    request_burst: int = 5000
+    max_connections: int = 1024
+    max_connections_per_uid: int = 128
+    reserved_connections: int = 16
+    max_pending_bytes_per_uid: int = 32 * 1024 * 1024
+    frame_timeout: float = 10.0
+    idle_timeout: float = 600.0
+
+    @classmethod
+    def of(cls, limits: Any) -> "ServerLimits":
+        return cls(**{k: getattr(limits, k) for k in cls.__dataclass_fields__ if hasattr(limits, k)})
+
+
+class RateLimitedLog:
+    """One warning line per error code per ``interval`` about requests that
+    never became one (bad frames, undecodable payloads, closed connections),
+    with a count of the lines held back: a hostile client sending thousands
+    of them must not fill the journal or spend the loop on logging."""
+
+    def __init__(self, interval: float = 1.0):
+        self.interval = interval
+        self.last: dict[str, float] = {}
+        self.suppressed: dict[str, int] = {}
+
+    def note(self, peer: Peer | None, err: protocol.ProtocolError) -> None:
+        now = time.monotonic()
+        code = err.code
+        if now - self.last.get(code, -1e9) < self.interval:
+            self.suppressed[code] = self.suppressed.get(code, 0) + 1
+            return
+        self.last[code] = now
+        held = self.suppressed.pop(code, 0)
+        who = f"pid {peer.pid} uid {peer.uid}" if peer is not None else "a client"
+        log.warning("%s from %s: %s%s", code, who, err,
+                    f" ({held} more like it in the last {self.interval:g} s not logged)" if held else "")
+
+
+# How often connections are checked for stalled frames and idleness: the
+# timeouts are enforced within this much of their configured value.
+SWEEP_INTERVAL = 0.5
+
+
 class Server:
     def __init__(
         self,
@@ -739,11 +816,7 @@ class Server:
         mode: int = 0o660,
         group: str = "",
         admin_group: str = "",
-        max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE,
-        requests_per_second: float = 50000.0,
-        request_burst: int = 5000,
-        max_connections: int = 1024,
-        max_connections_per_uid: int = 128,
+        limits: Any = None,
         inherited_fds: list[int] | None = None,
         proc_root: str = "/proc",
     ):
@@ -753,26 +826,35 @@ class Server:
         self.mode = mode
         self.group = group
         self.admin_gid = group_gid(admin_group)
-        self.max_message_bytes = max_message_bytes
-        self.requests_per_second = requests_per_second
-        self.request_burst = request_burst
-        self.max_connections = max_connections
-        self.max_connections_per_uid = max_connections_per_uid
+        self.limits = ServerLimits() if limits is None else ServerLimits.of(limits)
         self.inherited_fds = inherited_fds or []
         self.proc_root = proc_root
         self.activated = bool(self.inherited_fds)
         self.conns: set[Connection] = set()
         self.per_uid: dict[int, int] = {}
+        self.pending_per_uid: dict[int, int] = {}
         self._servers: list[asyncio.base_events.Server] = []
         self._own_socket = False
+        self._sweeper: asyncio.TimerHandle | None = None
+        self.malformed_log = RateLimitedLog()
+
+    # Read by each new Connection.
+    @property
+    def max_message_bytes(self) -> int:
+        return self.limits.max_message_bytes
+
+    @property
+    def requests_per_second(self) -> float:
+        return self.limits.requests_per_second
+
+    @property
+    def request_burst(self) -> int:
+        return self.limits.request_burst
 
     def apply_limits(self, limits: Any, admin_group: str) -> None:
-        """SIGHUP: new limits for new connections (existing keep theirs)."""
-        self.max_message_bytes = limits.max_message_bytes
-        self.requests_per_second = limits.requests_per_second
-        self.request_burst = limits.request_burst
-        self.max_connections = limits.max_connections
-        self.max_connections_per_uid = limits.max_connections_per_uid
+        """SIGHUP: new limits; frame size and rate apply to new connections
+        (existing keep theirs), the rest at once."""
+        self.limits = ServerLimits.of(limits)
         self.admin_gid = group_gid(admin_group)
         self.api.max_message_bytes = limits.max_message_bytes
 
@@ -792,16 +874,24 @@ class Server:
     def admit(self, conn: Connection) -> str:
         uid = conn.peer.uid
         st = self.stats
-        if len(self.conns) >= self.max_connections:
+        lim = self.limits
+        # The last reserved_connections slots are for root and admin_group:
+        # users filling the daemon must not lock the operator out.
+        cap = lim.max_connections if conn.peer.privileged else lim.max_connections - lim.reserved_connections
+        if len(self.conns) >= cap:
             st.connections_refused += 1
-            return f"daemon has {len(self.conns)} connections (limits.max_connections)"
-        if self.per_uid.get(uid, 0) >= self.max_connections_per_uid:
+            reserved = "" if conn.peer.privileged else \
+                f"; {lim.reserved_connections} more are reserved for root and admin_group (limits.reserved_connections)"
+            return f"daemon has {len(self.conns)} connections (limits.max_connections){reserved}"
+        if self.per_uid.get(uid, 0) >= lim.max_connections_per_uid:
             st.connections_refused += 1
             return f"uid {uid} has {self.per_uid[uid]} connections (limits.max_connections_per_uid)"
         self.conns.add(conn)
         self.per_uid[uid] = self.per_uid.get(uid, 0) + 1
         st.connections_open = len(self.conns)
         st.connections_total += 1
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().call_later(SWEEP_INTERVAL, self._sweep)
         return ""
 
     def release(self, conn: Connection) -> None:
@@ -811,9 +901,50 @@ class Server:
             self.per_uid[uid] -= 1
             if not self.per_uid[uid]:
                 del self.per_uid[uid]
+            self.hold(conn, 0)
         self.stats.connections_open = len(self.conns)
 
+    def hold(self, conn: Connection, nbytes: int) -> bool:
+        """Account ``conn`` as holding ``nbytes`` of unanswered input; False
+        if that takes its uid past max_pending_bytes_per_uid."""
+        uid = conn.peer.uid
+        total = self.pending_per_uid.get(uid, 0) - conn.held + nbytes
+        conn.held = nbytes
+        if total:
+            self.pending_per_uid[uid] = total
+        else:
+            self.pending_per_uid.pop(uid, None)
+        return total <= self.limits.max_pending_bytes_per_uid
+
+    def _sweep(self) -> None:
+        """Close connections with a frame stalled past frame_timeout or no
+        request for idle_timeout. O(connections) twice a second."""
+        self._sweeper = None
+        now = time.monotonic()
+        lim = self.limits
+        for c in list(self.conns):
+            if c.closing:
+                continue
+            # Only a frame the client is still sending counts: not complete
+            # frames waiting for their turn, nor input we stopped reading.
+            stalled = c.frame_started and not c.read_paused and not c.reader.has_frame()
+            if stalled and now - c.frame_started > lim.frame_timeout:
+                self.stats.connections_timed_out += 1
+                c._fail(protocol.ProtocolError(
+                    protocol.E_BAD_FRAME, f"incomplete frame: {c.reader.pending} bytes in "
+                    f"{now - c.frame_started:.1f} s (limits.frame_timeout={lim.frame_timeout:g})", fatal=True))
+            elif lim.idle_timeout and not c.reader.pending and now - c.last_request > lim.idle_timeout:
+                self.stats.connections_timed_out += 1
+                c._fail(protocol.ProtocolError(
+                    protocol.E_LIMIT, f"no request for {now - c.last_request:.0f} s "
+                    f"(limits.idle_timeout={lim.idle_timeout:g})", fatal=True))
+        if self.conns:
+            self._sweeper = asyncio.get_running_loop().call_later(SWEEP_INTERVAL, self._sweep)
+
     async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         for s in self._servers:
             s.close()
         for c in list(self.conns):

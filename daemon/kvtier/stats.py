@@ -71,6 +71,7 @@ class DaemonStats:
     connections_open: int = 0
     connections_total: int = 0
     connections_refused: int = 0  # over max_connections(_per_uid)
+    connections_timed_out: int = 0  # closed by limits.frame_timeout / idle_timeout
     # registry
     regions: int = 0
     processes: int = 0

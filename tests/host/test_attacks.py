@@ -277,3 +277,151 @@ def test_answers_stay_within_max_message_bytes_and_page(workdir):
     finally:
         buf.close()
         assert d.stop() == 0
+
+
+def _closed_with(s: socket.socket) -> str:
+    """The error code the daemon sent before closing ``s`` (it must close it)."""
+    reader = protocol.FrameReader(1 << 30)
+    frames: list[bytes] = []
+    while True:
+        try:
+            data = s.recv(1 << 16)
+        except ConnectionResetError:
+            # Closed with some of our bytes unread: the kernel may then drop
+            # what the daemon answered. Closed is what counts; the caller
+            # checks the daemon's error counters for the reason.
+            return "reset"
+        if not data:
+            break
+        frames += reader.feed(data)
+    assert frames, "closed without an answer"
+    return protocol.decode_response(frames[-1]).error.code
+
+
+def test_stalled_frame_and_idle_connection_are_closed(workdir):
+    """Defect 5: a half-sent frame is dropped after limits.frame_timeout and
+    a connection without requests after limits.idle_timeout; a client that
+    keeps talking is not."""
+    d = DaemonProc(workdir, """
+        [limits]
+        frame_timeout = 0.5
+        idle_timeout = 1.5
+        """).start()
+    try:
+        stalled = _connect(d.sock)
+        stalled.sendall(protocol.HEADER.pack(60000) + b"\x81" * 100)
+        idle = _connect(d.sock)
+        raw_call(idle, protocol.FrameReader(), {"op": "hello", "id": 1})
+        busy = _connect(d.sock)
+        busy_reader = protocol.FrameReader()
+        t0 = time.monotonic()
+        assert _closed_with(stalled) == "bad_frame"
+        stalled_after = time.monotonic() - t0
+        # The busy client's frames each arrive within the deadline, slowly.
+        while time.monotonic() - t0 < 2.5:
+            frame = protocol.frame(msgspec.msgpack.encode({"op": "stats", "id": 5}))
+            busy.sendall(frame[:3])
+            time.sleep(0.2)
+            busy.sendall(frame[3:])
+            assert raw_call(busy, busy_reader, None).ok
+        assert _closed_with(idle) == "limit_exceeded"
+        assert stalled_after < 1.5 + 2, stalled_after  # not the idle timeout: the frame deadline
+        with d.client() as c:
+            assert c.stats()["connections_timed_out"] == 2
+        busy.close()
+    finally:
+        assert d.stop() == 0
+
+
+def test_incomplete_frames_are_capped_per_uid(workdir):
+    """Defect 5: connections of one uid that each send most of a big frame
+    hold at most limits.max_pending_bytes_per_uid between them; the one
+    that goes past it is closed, the others and other uids are unaffected."""
+    d = DaemonProc(workdir, """
+        [limits]
+        max_message_bytes = 4194304
+        max_pending_bytes_per_uid = 1048576
+        frame_timeout = 60
+        """).start()
+    try:
+        conns = [_connect(d.sock) for _ in range(4)]
+        part = protocol.HEADER.pack(4 << 20) + b"\x81" * (400 << 10)
+        for s in conns:
+            s.sendall(part)
+        # The third pushes the uid past 1 MiB: it alone is closed.
+        assert _closed_with(conns[2]) in ("limit_exceeded", "reset")
+        conns[2].close()
+        for s in (conns[0], conns[1]):
+            s.settimeout(0.3)
+            with pytest.raises(socket.timeout):
+                s.recv(1)  # still open, still waiting for the rest of its frame
+        assert _closed_with(conns[3]) in ("limit_exceeded", "reset")
+        with d.client() as c:  # same uid, nothing pending: served
+            assert c.request("status")["connections"] == 3
+            assert c.stats()["errors"]["frame:limit_exceeded"] == 2
+        for s in conns:
+            s.close()
+    finally:
+        assert d.stop() == 0
+
+
+HOG = DROP + r"""
+import socket, json
+drop(65534, 65534)
+held = []
+while True:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(sys.argv[1])
+    s.settimeout(0.5)
+    try:
+        data = s.recv(4096)  # refused connections get an error and EOF
+    except socket.timeout:
+        held.append(s)
+        continue
+    break
+print(json.dumps({"held": len(held)}), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_connections_are_reserved_for_root(workdir):
+    """Defect 6: an unprivileged user taking every connection it can leaves
+    limits.reserved_connections for root: kvtierctl status still works."""
+    d = DaemonProc(workdir, """
+        [limits]
+        max_connections = 12
+        max_connections_per_uid = 100
+        reserved_connections = 3
+        """).start()
+    hog = subprocess.Popen([PY, "-c", HOG, d.sock], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        held = json.loads(hog.stdout.readline())["held"]
+        assert held == 12 - 3
+        r = subprocess.run([PY, "-m", "kvtier.ctl", "--socket", d.sock, "status"], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        with d.client() as c:
+            assert c.request("status")["connections"] == held + 1
+    finally:
+        hog.kill()
+        hog.wait()
+        assert d.stop() == 0
+
+
+def test_deeply_nested_msgpack_is_an_invalid_request_logged_once(daemon):
+    """Defect 9: nesting past the decoder's recursion limit, even under a key
+    the daemon ignores, is `invalid_request` and the connection stays usable;
+    200 such frames make one rate-limited log line, no traceback."""
+    s = _connect(daemon.sock)
+    reader = protocol.FrameReader(1 << 30)
+    deep = b"\x83\xa2op\xa5stats\xa2id\x05\xa1x" + b"\x91" * 50_000 + b"\x01"
+    for _ in range(200):
+        s.sendall(protocol.frame(deep))
+        r = raw_call(s, reader, None)
+        assert not r.ok and r.error.code == "invalid_request" and r.id == 0, r
+        assert "nested too deeply" in r.error.message
+    assert raw_call(s, reader, {"op": "stats", "id": 6}).ok
+    s.close()
+    log = daemon.read_log()
+    assert "Traceback" not in log and "internal error" not in log
+    lines = [ln for ln in log.splitlines() if "nested too deeply" in ln]
+    assert 1 <= len(lines) <= 3, lines
