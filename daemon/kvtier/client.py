@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import errno as _errno
+import grp
 import mmap
 import os
 import socket
@@ -50,6 +51,7 @@ class KvtierClientError(Exception):
 
     def __init__(self, op: str, code: str, message: str, errno: int = 0, retry_after_ms: int = 0):
         super().__init__(f"{op}: {code}: {message}")
+        self.message = message
         self.op = op
         self.code = code
         self.errno = errno
@@ -57,8 +59,32 @@ class KvtierClientError(Exception):
 
 
 class DaemonUnavailable(KvtierClientError, ConnectionError):
-    def __init__(self, path: str, why: str):
-        KvtierClientError.__init__(self, "connect", "unavailable", f"kvtierd at {path}: {why}")
+    """No connection to kvtierd: not running, no permission on its socket..."""
+
+    def __init__(self, path: str, why: str, errno: int = 0):
+        KvtierClientError.__init__(self, "connect", "unavailable", f"kvtierd at {path}: {why}", errno)
+        self.path = path
+
+
+def access_hint(path: str) -> str:
+    """What to do about EACCES on the socket: the group that may connect.
+    The socket is mode 0660 in a directory kvtierd's unit makes group
+    accessible; if a directory on the way is closed to us, name its group."""
+    p = os.path.abspath(path)
+    while True:
+        try:
+            st = os.stat(p)  # fails until p is the closed directory (or the socket)
+            break
+        except OSError:
+            if p == os.path.dirname(p):
+                return ""
+            p = os.path.dirname(p)
+    try:
+        group = grp.getgrgid(st.st_gid).gr_name
+    except KeyError:
+        group = str(st.st_gid)
+    return (f"; join group {group!r} (group of {p}, mode {st.st_mode & 0o777:03o}; "
+            f"then log in again) or run as root")
 
 
 def buffer_address(obj: Any) -> tuple[int, int]:
@@ -320,7 +346,12 @@ class Client:
             s.connect(self.path)
         except OSError as e:
             s.close()
-            raise DaemonUnavailable(self.path, os.strerror(e.errno) if e.errno else str(e)) from None
+            why = os.strerror(e.errno) if e.errno else str(e)
+            if e.errno in (_errno.EACCES, _errno.EPERM):
+                why += access_hint(self.path)
+            elif e.errno in (_errno.ENOENT, _errno.ECONNREFUSED):
+                why += "; is kvtierd running? (systemctl status kvtierd)"
+            raise DaemonUnavailable(self.path, why, e.errno or 0) from None
         self.sock = s
         self._rbuf.clear()
         self._in_flight.clear()

@@ -10,25 +10,24 @@
     kvtierctl top                 (live view)
 
 Every command takes ``--json`` and then prints exactly the daemon's answer
-(packed per-block arrays decoded to lists), so scripts never parse tables.
-Exit status: 0 ok, 1 the daemon refused, 2 usage, 3 daemon unreachable.
+(packed per-block arrays decoded to lists), so scripts never parse tables;
+errors then are JSON on stdout too. Exit status (kvtier.cli): 0 ok, 1 the
+daemon refused, 2 usage, 3 daemon not reachable; 141 when stdout closed early.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any
 
+import msgspec
 import numpy as np
 
-from kvtier import protocol
+from kvtier import cli, protocol
 from kvtier import top as top_mod
 from kvtier.blocks import F_KEEP_DRAM, F_MANUAL_PIN, F_NEVER_SWAP, F_NOT_PRESENT, F_PREFILL_DONE, F_UNMOVABLE
 from kvtier.client import Client, DaemonUnavailable, KvtierClientError
-
-EXIT_REFUSED, EXIT_USAGE, EXIT_UNAVAILABLE = 1, 2, 3
 
 FLAG_LETTERS = ((F_UNMOVABLE, "U"), (F_KEEP_DRAM, "D"), (F_NEVER_SWAP, "S"), (F_PREFILL_DONE, "P"),
                 (F_MANUAL_PIN, "M"), (F_NOT_PRESENT, "-"))
@@ -54,18 +53,6 @@ def parse_blocks(spec: str | None) -> bytes | None:
             raise argparse.ArgumentTypeError(f"bad block range {part!r}")
         out.append(np.arange(a, b + 1, dtype=protocol.BLOCKS_DTYPE))
     return np.concatenate(out).tobytes() if out else b""
-
-
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, bytes):
-        return x.hex()
-    if isinstance(x, float) and not np.isfinite(x):
-        return None  # JSON has no Infinity: "never accessed" becomes null
-    return x
 
 
 def decode_blocks(r: dict) -> dict:
@@ -228,23 +215,26 @@ COMMANDS = {
 }
 
 
-def _common(suppress: bool) -> argparse.ArgumentParser:
+def _common(suppress: bool, parser_class: type[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     # The options work before or after the command. Subcommand copies must not
     # have defaults, or they would overwrite a value given before the command.
     d = (lambda v: argparse.SUPPRESS) if suppress else (lambda v: v)
-    p = argparse.ArgumentParser(add_help=False)
+    p = parser_class(add_help=False)
     p.add_argument("--socket", default=d(None),
                    help="kvtierd socket (default $KVTIER_SOCKET or /run/kvtierd/kvtierd.sock)")
-    p.add_argument("--json", action="store_true", default=d(False), help="print the answer as JSON")
-    p.add_argument("--timeout", type=float, default=d(10.0), help="seconds to wait for the daemon")
+    p.add_argument("--json", action="store_true", default=d(False),
+                   help="print the answer as JSON (errors too: {\"error\": {...}} on stdout)")
+    p.add_argument("--timeout", type=cli.positive_float, default=d(10.0), help="seconds to wait for the daemon")
     return p
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="kvtierctl", description="Inspect and steer kvtierd.",
-                                 parents=[_common(False)])
-    common = _common(True)
-    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+def build_parser(parser_class: type[argparse.ArgumentParser] = cli.Parser) -> argparse.ArgumentParser:
+    ap = parser_class(prog="kvtierctl", description="Inspect and steer kvtierd.",
+                      epilog="exit status: 0 ok, 1 the daemon refused, 2 usage, 3 daemon not reachable",
+                      parents=[_common(False, parser_class)])
+    cli.add_version(ap)
+    common = _common(True, parser_class)
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND", parser_class=parser_class)
     sub.add_parser("status", parents=[common], help="daemon summary")
     sub.add_parser("stats", parents=[common], help="all counters")
     sub.add_parser("tiers", parents=[common], help="tiers with capacity and kvtier usage")
@@ -282,8 +272,28 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _failure(e: BaseException) -> tuple[int, str, str, int, str]:
+    """(exit status, code, message, errno, op) for what a command raised."""
+    if isinstance(e, DaemonUnavailable):
+        return cli.EXIT_UNAVAILABLE, e.code, e.message, e.errno, ""
+    if isinstance(e, KvtierClientError):
+        return cli.EXIT_REFUSED, e.code, f"{e.op}: {e.message}", e.errno, e.op
+    if isinstance(e, TimeoutError):
+        return cli.EXIT_UNAVAILABLE, "timeout", "kvtierd did not answer in time (see --timeout)", 0, ""
+    if isinstance(e, ConnectionError):
+        # EPIPE on send or ECONNRESET/EOF on receive, depending on timing:
+        # either way the daemon went away (restart, crash) or dropped us.
+        why = e.strerror or str(e)
+        return cli.EXIT_UNAVAILABLE, "unavailable", f"kvtierd closed the connection ({why})", e.errno or 0, ""
+    if isinstance(e, msgspec.MsgspecError):
+        return cli.EXIT_REFUSED, "protocol_error", f"kvtierd sent an answer this kvtierctl cannot read: {e}", 0, ""
+    assert isinstance(e, OSError)
+    return cli.EXIT_REFUSED, "os_error", e.strerror or str(e), e.errno or 0, ""
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ap = build_parser(cli.parser_class(argv))
     a = ap.parse_args(argv)
     if a.cmd == "top":
         return top_mod.run(a)
@@ -295,20 +305,19 @@ def main(argv: list[str] | None = None) -> int:
                 data, text = COMMANDS[a.cmd](c, a)
     except argparse.ArgumentTypeError as e:
         ap.error(str(e))
-    except DaemonUnavailable as e:
-        print(f"kvtierctl: {e}", file=sys.stderr)
-        return EXIT_UNAVAILABLE
-    except KvtierClientError as e:
-        print(f"kvtierctl: {e}", file=sys.stderr)
-        return EXIT_REFUSED
-    except OSError as e:
-        print(f"kvtierctl: {e}", file=sys.stderr)
-        return EXIT_UNAVAILABLE
-    if a.json:
-        json.dump(_jsonable(data), sys.stdout, indent=2, default=str)
-        sys.stdout.write("\n")
-    else:
-        print(text)
+    except KeyboardInterrupt:
+        return cli.EXIT_INTERRUPTED
+    except (KvtierClientError, OSError, msgspec.MsgspecError) as e:
+        status, code, message, err, op = _failure(e)
+        cli.report(a.json, "kvtierctl", code, message, errno=err, op=op)
+        return status
+    try:
+        if a.json:
+            cli.emit_json(data)
+        else:
+            print(text, flush=True)
+    except BrokenPipeError:
+        return cli.stdout_closed()
     return 0
 
 

@@ -28,7 +28,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from kvtier import config
+from kvtier import __version__, cli, config
 from kvtier import hotness, logs, state
 from kvtier import watch as watch_mod
 from kvtier import metrics as metrics_mod
@@ -49,12 +49,7 @@ from kvtier.stats import DaemonStats
 
 log = logging.getLogger("kvtier.daemon")
 
-try:
-    from importlib.metadata import version as _pkg_version
-
-    VERSION = _pkg_version("kvtier")
-except Exception:  # running from a source tree without metadata
-    VERSION = "0"
+VERSION = __version__
 
 def limits_of(cfg: config.Config) -> Limits:
     lim = cfg.limits
@@ -367,7 +362,9 @@ def bound_heap() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvtierd", description="Memory-tiering daemon for LLM KV caches.")
+    ap = argparse.ArgumentParser(prog="kvtierd", description="Memory-tiering daemon for LLM KV caches.",
+                                 epilog="exit status: 0 stopped cleanly, 1 failed, 78 bad config")
+    cli.add_version(ap)
     ap.add_argument("-c", "--config", default=config.DEFAULT_PATH, help="TOML config (default %(default)s)")
     ap.add_argument("--socket", help="override daemon.socket")
     ap.add_argument("--state-file", help="override daemon.state_file ('' disables persistence)")
@@ -391,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config.load(args.config, missing_ok=args.config == config.DEFAULT_PATH, overrides=overrides)
     except ConfigError as e:
         print(f"kvtierd: config error: {e}", file=sys.stderr)
-        return 78  # EX_CONFIG: systemd shows it, Restart=on-failure will not loop on it forever
+        return cli.EXIT_CONFIG  # EX_CONFIG: systemd shows it, Restart=on-failure will not loop on it forever
     if args.check_config:
         print(f"{cfg.source}: ok")
         return 0

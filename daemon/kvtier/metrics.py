@@ -41,7 +41,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.exposition import start_http_server
 
-from kvtier import ages
+from kvtier import __version__, ages
 from kvtier.blocks import F_MANUAL_PIN, F_UNMOVABLE, TIER_MIXED, TIER_UNKNOWN, BlockTable
 from kvtier.ports import TierInfo, TopologyView
 from kvtier.registry import Registry
@@ -181,7 +181,7 @@ class Collector:
         self.topology = topology
         self.sources = sources
         self.per_region = per_region
-        self.version = version if version is not None else _version()
+        self.version = version if version is not None else __version__
 
     def describe(self) -> list[Metric]:
         # Registration must not call collect() (it would read half-built state).
@@ -468,15 +468,6 @@ def _pair_sum(owner: np.ndarray, tier: np.ndarray, values: np.ndarray) -> dict[t
 def _num(v: float) -> float:
     # Byte sums are integral; keep them ints so the exposition has no ".0".
     return int(v) if float(v).is_integer() else float(v)
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("kvtier")
-    except Exception:  # not installed (running from a source tree)
-        return "unknown"
 
 
 # ---------------------------------------------------------------------------

@@ -16,11 +16,13 @@ Ctrl-C included, so the shell prompt comes back where it was.
 from __future__ import annotations
 
 import argparse
-import os
+import json
 import shutil
 import sys
 import time
 from typing import Any, Callable, TextIO
+
+from kvtier import cli
 
 Sample = dict[str, Any]
 
@@ -221,32 +223,43 @@ def _bar(frac: float | None, width: int) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-n", "--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
-    parser.add_argument("--count", type=int, default=0, help="stop after this many frames (0 = until Ctrl-C)")
+    parser.add_argument("-n", "--interval", type=cli.positive_float, default=1.0,
+                        help="seconds between refreshes (default 1)")
+    parser.add_argument("--count", type=cli.nonneg_int, default=0,
+                        help="stop after this many frames (0 = until Ctrl-C)")
     parser.add_argument("--once", action="store_true", help="print one frame without redrawing and exit")
     if not any("--socket" in a.option_strings for a in parser._actions):
         parser.add_argument("--socket", help="kvtierd socket (default $KVTIER_SOCKET or /run/kvtierd/kvtierd.sock)")
+    if not any("--json" in a.option_strings for a in parser._actions):
+        parser.add_argument("--json", action="store_true", help="one JSON sample per line instead of a screen")
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None,
         connect: Callable[[str | None], Any] | None = None) -> int:
-    """Draw until Ctrl-C (or ``--count`` frames); 0 on a clean exit, 1 when
-    the daemon cannot be reached at the start."""
+    """Draw until Ctrl-C (or ``--count`` frames). Exit status as kvtierctl's
+    (kvtier.cli): 0 on a clean exit, 3 when the daemon cannot be reached at
+    the start, 1 when it refuses. With ``--json`` every frame is the raw
+    sample as one JSON line (the daemon's four answers plus the time), for
+    scripts that want a time series without parsing the screen."""
     out = out or sys.stdout
+    as_json = bool(getattr(args, "json", False))
     if connect is None:
         from kvtier.client import Client
 
         def connect(path):
-            return Client(path, name="kvtierctl top", reconnect_timeout=0.0)
+            return Client(path, name="kvtierctl top", timeout=getattr(args, "timeout", 10.0),
+                          reconnect_timeout=0.0)
 
-    from kvtier.client import KvtierClientError
+    from kvtier.client import DaemonUnavailable, KvtierClientError
 
     try:
         client = connect(getattr(args, "socket", None))
     except (KvtierClientError, OSError) as e:
-        print(f"kvtierctl top: {e}", file=sys.stderr)
-        return 1
-    live = not args.once and out.isatty()
+        unreachable = isinstance(e, (DaemonUnavailable, OSError))
+        cli.report(as_json, "kvtierctl top", getattr(e, "code", "unavailable"), getattr(e, "message", str(e)),
+                   errno=getattr(e, "errno", 0) or 0)
+        return cli.EXIT_UNAVAILABLE if unreachable else cli.EXIT_REFUSED
+    live = not args.once and not as_json and out.isatty()
     frames = 1 if args.once else args.count
     prev: Sample | None = None
     drawn = 0
@@ -257,10 +270,12 @@ def run(args: argparse.Namespace, out: TextIO | None = None,
             size = shutil.get_terminal_size((100, 40))
             try:
                 sample = gather(client)
-                lines = render(sample, prev, size.columns, size.lines if live else 1000)
+                lines = ([json.dumps(cli.jsonable(sample), default=str)] if as_json
+                         else render(sample, prev, size.columns, size.lines if live else 1000))
                 prev = sample
             except (KvtierClientError, OSError) as e:
-                lines = [f"kvtierctl top: daemon unavailable: {e}", "retrying..."]
+                lines = ([json.dumps({"error": {"code": "unavailable", "message": str(e)}})] if as_json
+                         else [f"kvtierctl top: daemon unavailable: {e}", "retrying..."])
                 prev = None
                 client.close_socket()  # the next gather() reconnects
             if live:
@@ -274,6 +289,9 @@ def run(args: argparse.Namespace, out: TextIO | None = None,
             time.sleep(args.interval)
     except KeyboardInterrupt:
         return 0
+    except BrokenPipeError:  # kvtierctl top | head
+        live = False
+        return cli.stdout_closed()
     finally:
         if live:
             out.write(ALT_OFF)
@@ -282,7 +300,9 @@ def run(args: argparse.Namespace, out: TextIO | None = None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvtierctl top", description="Live view of kvtierd.")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ap = cli.parser_class(argv)(prog="kvtierctl top", description="Live view of kvtierd.")
+    cli.add_version(ap)
     add_arguments(ap)
     return run(ap.parse_args(argv))
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..cli import add_version
 from ..errors import ConfigError, KvtierError
 from ..hotness import DEFAULT_TAU_S
 from ..policy import PolicyConfig
@@ -177,6 +178,7 @@ def _save(plt, fig, path: Path) -> Path:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvtier-sim", description=__doc__.split("\n\n")[0])
+    add_version(ap)
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("gen", help="generate a synthetic serving trace")
     g.add_argument("--preset", choices=sorted(PRESETS), default="chat")
