@@ -311,14 +311,17 @@ class _Builder:
         self.nb = snap["nbytes"].astype(np.int64)
         self.moved = np.zeros(self.tier.size, dtype=bool)
         self.dest = np.full(self.tier.size, -1, dtype=np.int64)
-        self.parts: list[tuple[np.ndarray, np.ndarray, int]] = []
+        self.parts: list[tuple[np.ndarray, np.ndarray, int, bool]] = []
         known = (self.tier >= 0) & (self.tier < ntiers)
         self.used = np.bincount(self.tier[known], weights=self.nb[known], minlength=ntiers)[:ntiers]
         self.tokens = {"promote": float(state.promote_tokens), "demote": float(state.demote_tokens)}
         self.inflow = np.zeros(ntiers)
+        self.late_out = np.zeros(ntiers)
 
-    def take(self, rows: np.ndarray, dst, reason: int, limit_bytes: float = math.inf) -> np.ndarray:
-        """Plan ``rows`` (in priority order) as far as budget and ``limit_bytes`` allow."""
+    def take(self, rows: np.ndarray, dst, reason: int, limit_bytes: float = math.inf, late: bool = False) -> np.ndarray:
+        """Plan ``rows`` (in priority order) as far as budget and ``limit_bytes`` allow.
+        ``late`` moves are executed after the promotions (proactive work a
+        migrator short of time should drop first)."""
         if rows.size == 0:
             return rows
         dst = np.broadcast_to(np.asarray(dst, dtype=np.int64), rows.shape)
@@ -347,7 +350,9 @@ class _Builder:
         self.inflow += arrive
         self.moved[rows] = True
         self.dest[rows] = dst
-        self.parts.append((rows, dst, reason))
+        self.parts.append((rows, dst, reason, late))
+        if late:  # not there yet when the promotions run: their room must not count it
+            self.late_out += np.bincount(src, weights=nb, minlength=n)
         return rows
 
     def in_tier(self, t: int) -> np.ndarray:
@@ -363,13 +368,14 @@ class _Builder:
         rows = np.concatenate([p[0] for p in self.parts]).astype(np.int64)
         dst = np.concatenate([p[1] for p in self.parts]).astype(np.int8)
         reason = np.concatenate([np.full(p[0].size, p[2], dtype=np.uint8) for p in self.parts])
+        late = np.concatenate([np.full(p[0].size, p[3]) for p in self.parts])
         src = self.tier[rows].astype(np.int8)
         nb = self.nb[rows]
         demote = dst > src
         # Demotions first, slowest source first (each lands in room the one
         # before made); then promotions, fastest destination first; proactive
         # cold demotions last, so a migrator short of time drops them first.
-        group = np.where(reason == R_COLD, 2, np.where(demote, 0, 1))
+        group = np.where(late, 2, np.where(demote, 0, 1))
         order = np.lexsort((np.where(demote, 0, dst), np.where(demote, -src.astype(np.int16), 0), group))
         rows, src, dst, reason, nb = rows[order], src[order], dst[order], reason[order], nb[order]
         by_dir: dict[tuple[int, int], int] = {}
@@ -533,7 +539,14 @@ def _step_overflow(x: _Tick, t: int) -> float:
     if cand.size == 0:
         return -np.inf
     k = min(b.budget_rows("demote", int(b.nb[cand].min())), cand.size)
-    gone = b.take(_ordered(cand, x.key, k, hottest_first=False), t + 1, R_OVERFLOW, b.used[t] - x.low[t])
+    order = _ordered(cand, x.key, k, hottest_first=False)
+    # Urgent: back under the high watermark plus room for the next burst_s of
+    # allocations (DRAM must not spill new blocks to CXL). The rest, down to
+    # the low watermark, runs after the promotions.
+    urgent = b.used[t] - x.high[t] + (x.state.inflow_bps * x.cfg.burst_s if t == 0 else 0.0)
+    gone = b.take(order, t + 1, R_OVERFLOW, min(urgent, b.used[t] - x.low[t]))
+    rest = b.take(order[gone.size :], t + 1, R_OVERFLOW, b.used[t] - x.low[t], late=True) if gone.size < order.size else gone[:0]
+    gone = np.concatenate([gone, rest])
     return float(x.key[gone].max()) if gone.size else -np.inf
 
 
@@ -563,7 +576,7 @@ def _step_promote(x: _Tick, t: int, floor: float) -> None:
         cand = allowed
         if cand.size == 0:
             return
-    room = max(0.0, x.high[t] - b.used[t])
+    room = max(0.0, x.high[t] - b.used[t] - b.late_out[t])
     free = x.tiers[t].free_bytes
     if free is not None:
         # what the node has free, minus what this plan already sends there
@@ -621,7 +634,7 @@ def _step_cold(x: _Tick, t: int) -> None:
         x.mark(cand, S_WATERMARK)
         return
     k = min(b.budget_rows("demote", int(b.nb[cand].min())), cand.size)
-    b.take(_ordered(cand, x.key, k, hottest_first=False), t + 1, R_COLD, b.used[t] - low)
+    b.take(_ordered(cand, x.key, k, hottest_first=False), t + 1, R_COLD, b.used[t] - low, late=True)
     x.mark(cand, S_WATERMARK)  # the rest: the tier is at its low watermark now (or tokens ran out)
 
 
