@@ -29,6 +29,7 @@ F_MANUAL_PIN = 1 << 4  # operator pinned the block to its current tier
 F_NOT_PRESENT = 1 << 5  # no page of the block has been touched yet
 F_STALE = 1 << 6  # placement may have changed (hinted while not present, a move failed,
                   # the sample disagreed): measure the whole block soon
+F_ENGINE = 1 << 7  # the engine owns and moves it (mode "engine"): no pages to measure or migrate
 
 FIELDS: dict[str, np.dtype] = {
     "region": np.dtype(np.int32),

@@ -33,7 +33,7 @@ import mmap
 import os
 import socket
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import msgspec
 import numpy as np
@@ -298,6 +298,38 @@ class Region:
         self.client._regions.pop(self.id, None)
 
 
+class EngineRegion(Region):
+    """A mode-"engine" region: the daemon plans, the engine moves.
+
+    ``on_move(blocks, src, dst)`` is called (from ``Client.poll`` or at the
+    end of any other call) when the daemon wants ``blocks`` (uint32 indices)
+    moved from tier ``src`` to tier ``dst``: copy them between your pools,
+    update your block table, and return True, False, or a bool per block.
+    An exception counts as failure for every block. ``tiers`` is where this
+    side believes each block is (sent again after a reconnect)."""
+
+    def __init__(self, client: "Client", info: dict, tiers: np.ndarray, on_move: Callable):
+        super().__init__(client, info, 0, info["blocks"] * info["block_size"])
+        self.tiers = tiers
+        self.on_move = on_move
+        self.moves_done = 0
+        self.moves_failed = 0
+
+    def _move(self, body: dict) -> tuple[np.ndarray, str]:
+        blocks = np.frombuffer(body["blocks"], dtype=protocol.BLOCKS_DTYPE)
+        src, dst = int(body["src"]), int(body["dst"])
+        error = ""
+        try:
+            r = self.on_move(blocks, src, dst)
+            ok = np.broadcast_to(np.asarray(r, dtype=bool), blocks.shape).copy()
+        except Exception as e:  # the engine's failure is the daemon's news, not ours to raise
+            ok, error = np.zeros(blocks.size, dtype=bool), f"{type(e).__name__}: {e}"
+        self.tiers[blocks[ok]] = dst
+        self.moves_done += int(ok.sum())
+        self.moves_failed += int((~ok).sum())
+        return ok, error
+
+
 class Client:
     """One connection to kvtierd. Not thread-safe: one Client per thread."""
 
@@ -332,6 +364,8 @@ class Client:
         self._in_flight: dict[int, str] = {}  # pipelined request id -> op
         self._rbuf = bytearray()
         self._regions: dict[int, Region] = {}
+        self._events: list[protocol.Response] = []  # unasked frames (engine-mode moves) not served yet
+        self._engine = 0  # engine-mode regions registered here: poll() must read even with nothing in flight
         self.async_errors: list[KvtierClientError] = []  # answers to pipelined hints
         self.reconnects = 0
         if connect:
@@ -358,6 +392,11 @@ class Client:
         self._wpartial = b""
         self.server = {}
         self.server = self._call_once(protocol.Hello(client=self.name))
+        # A new connection executes the engine regions' moves from now on
+        # (the daemon dropped the moves pending on the old one).
+        for r in list(self._regions.values()):
+            if isinstance(r, EngineRegion) and not r.closed:
+                self._call_once(protocol.Attach(region=r.id, tiers=r.tiers.astype(protocol.TIERS_DTYPE).tobytes()))
 
     def _reconnect(self) -> None:
         self.close_socket()
@@ -486,7 +525,7 @@ class Client:
     def _poll_answers(self) -> None:
         """Collect the answers that have arrived, without waiting for any."""
         sock = self.sock
-        if sock is None or not self._in_flight:
+        if sock is None or not (self._in_flight or self._engine):
             return
         sock.setblocking(False)
         try:
@@ -525,6 +564,9 @@ class Client:
             buf += chunk
 
     def _collect(self, resp: protocol.Response) -> None:
+        if resp.event is not None:
+            self._events.append(resp)  # run by poll() / after the current call, never re-entrantly
+            return
         op = self._in_flight.pop(resp.id, "?")
         if not resp.ok:
             e = resp.error
@@ -550,7 +592,7 @@ class Client:
         op = req.__struct_config__.tag
         while True:
             resp = self._recv_one()
-            if resp.id == rid:
+            if resp.id == rid and resp.event is None:
                 break
             self._collect(resp)
         if not resp.ok:
@@ -565,7 +607,10 @@ class Client:
             try:
                 if self.sock is None:
                     self._reconnect()
-                return self._call_once(req)
+                result = self._call_once(req)
+                if self._events and not isinstance(req, protocol.MoveDone):
+                    self._run_events()
+                return result
             except (ConnectionError, BrokenPipeError) as e:
                 if attempt or isinstance(e, DaemonUnavailable):
                     raise
@@ -653,6 +698,63 @@ class Client:
             region.unregister()
             raise
         return region
+
+    def register_engine(
+        self,
+        nblocks: int,
+        block_size: int,
+        tiers: Iterable[int] | np.ndarray,
+        on_move: Callable[[np.ndarray, int, int], Any],
+        *,
+        name: str = "",
+        tenant: str = "",
+        priority: int = 0,
+        constraints: Iterable[str] = (),
+    ) -> EngineRegion:
+        """Register a logical region whose blocks live in pools this engine
+        owns in several tiers (pinned: the kernel cannot move them) and which
+        this engine moves itself when the daemon asks (see EngineRegion).
+        ``tiers``: the tier each block is in now (-1: not placed). Call
+        ``poll()`` from the engine's loop so move requests are served."""
+        t = np.array(tiers, dtype=protocol.TIERS_DTYPE).ravel()
+        info = self.call(protocol.RegisterEngine(
+            blocks=nblocks, block_size=block_size, tiers=t.tobytes(), name=name, tenant=tenant,
+            priority=priority, constraints=list(constraints),
+        ))
+        region = EngineRegion(self, info, t.copy(), on_move)
+        self._regions[region.id] = region
+        self._engine += 1
+        return region
+
+    def poll(self) -> int:
+        """Serve the move requests that have arrived, without waiting; returns
+        how many were served. Engine-mode owners call this from their loop."""
+        try:
+            self._poll_answers()
+        except (ConnectionError, socket.timeout):
+            self._lost_connection()
+            return 0
+        return self._run_events()
+
+    def _run_events(self) -> int:
+        served = 0
+        while self._events:
+            ev = self._events.pop(0)
+            if ev.event != "move":
+                continue
+            region = self._regions.get(int(ev.result["region"]))
+            if not isinstance(region, EngineRegion):
+                ok, error = np.zeros(len(ev.result["blocks"]) // 4, dtype=bool), "region not served here"
+            else:
+                ok, error = region._move(ev.result)
+            try:
+                self.call(protocol.MoveDone(move=int(ev.result["move"]), ok=ok.astype(np.uint8).tobytes(),
+                                            error=error))
+            except KvtierClientError as e:
+                # dropped meanwhile (the daemon restarted or the move was replaced): nothing to record
+                self.async_errors.append(e)
+            served += 1
+        return served
 
     def flush(self) -> list[KvtierClientError]:
         """Send pending hints of every region, wait for all answers and

@@ -43,8 +43,9 @@ import numpy as np
 
 from kvtier import logs
 from kvtier import policy as pol
-from kvtier.blocks import (FIELDS, F_KEEP_DRAM, F_NEVER_SWAP, F_NOT_PRESENT, F_STALE, F_UNMOVABLE, TIER_UNKNOWN,
-                           BlockTable, Slice)
+from kvtier.blocks import (FIELDS, F_ENGINE, F_KEEP_DRAM, F_NEVER_SWAP, F_NOT_PRESENT, F_STALE, F_UNMOVABLE,
+                           TIER_UNKNOWN, BlockTable, Slice)
+from kvtier.engine_moves import EngineMoves
 from kvtier.errors import InvalidArgument, KvtierError
 from kvtier.hotness import Temperature
 from kvtier.ports import AvailabilityView, HotnessSource, MigratorPort, ObservationView, TopologyView
@@ -101,6 +102,8 @@ class MoveJob:
     plan_pos: np.ndarray | None = None  # position of each move in plan.rows (-1 = operator move)
     started: float = 0.0
     requested_at: np.ndarray | None = None  # scheduler hints (prefetch/release): when each was asked for
+    # plan positions handed to engines (mode "engine"): paid, refunded only by their answer
+    engine_pos: np.ndarray | None = None
     ok: np.ndarray | None = None
     unmovable: np.ndarray | None = None
     failures: collections.Counter = field(default_factory=collections.Counter)
@@ -214,6 +217,7 @@ class Engine:
         # prefetch/release: (region ids, indices, destination tiers, requested at)
         self.scheduled: list[tuple[np.ndarray, np.ndarray, np.ndarray, float]] = []
         self.loop = loop
+        self.engine_moves = EngineMoves(table, stats, clock)
         self._rng = np.random.default_rng(seed)
         # what the last plan saw; anything new makes the next tick plan again
         self._dirty = True
@@ -377,6 +381,7 @@ class Engine:
             "workers": {w.name: w.busy for w in (self.mover, self.measurer, self.collector)},
             "manual_moves_pending": sum(int(r.size) for r, _, _ in self.manual),
             "scheduled_moves_pending": sum(int(r.size) for r, _, _, _ in self.scheduled),
+            **self.engine_moves.status(),
             "stale_blocks": int(np.count_nonzero(self.table.flags & F_STALE)),
             "source_cpu_budget": self.source_cpu_budget,
             "sources": sources,
@@ -425,6 +430,19 @@ class Engine:
         if job is not None:
             self._submit(self.mover, self._run_move, self._finish_move, job)
 
+    def _to_engines(self, rows: np.ndarray, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        """Send the moves of engine-mode blocks to their owners; returns the
+        mask of rows that stay for the kernel (move_pages / swap)."""
+        eng = (self.table.flags[rows] & np.uint8(F_ENGINE)) != 0
+        eng_placed = eng & (src >= 0)
+        if eng_placed.any():
+            sent = self.engine_moves.dispatch(rows[eng_placed], src[eng_placed], dst[eng_placed])
+            # no owner attached: nothing moves, and the plan's tokens come back
+            unsent = ~sent
+            self.pstate = self.engine_moves.refund_unsent(rows[eng_placed][unsent], src[eng_placed][unsent],
+                                                          dst[eng_placed][unsent], self.policy_cfg, self.pstate)
+        return ~eng
+
     def _build_scheduled(self, now: float) -> MoveJob | None:
         t = self.table
         regions = np.concatenate([e[0] for e in self.scheduled])
@@ -464,6 +482,8 @@ class Engine:
             self.scheduled.append((t.region[rows[w]].astype(np.int64), t.index[rows[w]].astype(np.int64),
                                    dst[w], float(asked[w].min())))
         rows, dst, asked, src = rows[fits], dst[fits], asked[fits], src[fits]
+        kernel = self._to_engines(rows, src, dst)
+        rows, dst, asked, src = rows[kernel], dst[kernel], asked[kernel], src[kernel]
         if rows.size == 0:
             return None
         return MoveJob(
@@ -602,12 +622,15 @@ class Engine:
         rows, dst, pos, src = rows[go], dst[go], pos[go], src[go]
         if len(plan):
             self._dirty = True  # the plan may have been cut by its budget: look again next tick
+        kernel = self._to_engines(rows, src, dst)
+        engine_pos = pos[~kernel & (pos >= 0)]
+        rows, dst, pos, src = rows[kernel], dst[kernel], pos[kernel], src[kernel]
         if rows.size == 0:
             return None
         return MoveJob(
             region=t.region[rows].astype(np.int64), index=t.index[rows].astype(np.int64), pid=t.pid[rows].copy(),
             addr=t.addr[rows].copy(), nbytes=t.nbytes[rows].copy(), src=src, dst=dst,
-            plan=plan if len(plan) else None, plan_pos=pos, started=now,
+            plan=plan if len(plan) else None, plan_pos=pos, started=now, engine_pos=engine_pos,
         )
 
     def _run_move(self, job: MoveJob) -> None:
@@ -689,6 +712,8 @@ class Engine:
             ok_plan = np.zeros(len(job.plan), dtype=bool)
             has = job.plan_pos >= 0
             ok_plan[job.plan_pos[has]] = job.ok[has] & live[has]
+            if job.engine_pos is not None:
+                ok_plan[job.engine_pos] = True  # in the engines' hands: refunded by their answers
             self.pstate = pol.refund(self.pstate, job.plan, ok_plan, self.policy_cfg)
 
     # -- measure -----------------------------------------------------------
@@ -712,7 +737,8 @@ class Engine:
         # 1. stale blocks, whole, in row order from a cursor; at most 3/4 of
         #    the budget so the rotating sample always advances
         full_rows = np.zeros(0, dtype=np.int64)
-        stale = np.flatnonzero(t.flags & np.uint8(F_STALE))
+        # engine-mode blocks have no pages: their owners report their tiers
+        stale = np.flatnonzero((t.flags & np.uint8(F_STALE | F_ENGINE)) == F_STALE)
         if stale.size and self.migrator.dry_run:
             # A dry run pretends its moves: measuring a placed block would see
             # the real pages and undo the pretence. Only unplaced ones count.
@@ -756,6 +782,7 @@ class Engine:
                 win_rows = win_rows[t.tier[win_rows] < 0]
             if full_rows.size:
                 win_rows = win_rows[~np.isin(win_rows, full_rows)]
+            win_rows = win_rows[(t.flags[win_rows] & np.uint8(F_ENGINE)) == 0]
         rows = np.concatenate([full_rows, win_rows])
         if rows.size == 0:
             return None

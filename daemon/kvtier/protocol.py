@@ -41,7 +41,7 @@ DEFAULT_SOCKET = "/run/kvtierd/kvtierd.sock"
 CAPABILITIES = (
     "register", "hint", "phase", "query", "stats", "pidfd-lifetime", "persist",
     "status", "tiers", "regions", "blocks", "migrate", "measure", "pin", "explain", "allocate",
-    "prefetch", "release",
+    "prefetch", "release", "engine-moves",
 )
 
 # Wire dtypes of packed arrays (explicit little-endian: the wire format does
@@ -189,6 +189,37 @@ class Explain(Request, tag="explain"):
     block: BlockIndex
 
 
+class RegisterEngine(Request, tag="register_engine"):
+    """A logical region whose blocks live in pools the engine owns (pinned,
+    in several tiers) and that the engine moves itself: the daemon runs the
+    policy and sends the owner ``move`` events on this connection instead of
+    calling move_pages."""
+
+    blocks: Annotated[int, Meta(ge=1, le=(1 << 32) - 1)]
+    block_size: Pos64
+    tiers: Packed  # i1, one per block: the tier each block is in now
+    name: Name = ""
+    tenant: TenantName = ""
+    priority: Priority = 0
+    constraints: Annotated[list[Constraint], Meta(max_length=8)] = []
+
+
+class Attach(Request, tag="attach"):
+    """Make this connection the one that executes an engine region's moves
+    (after a reconnect), optionally reporting where its blocks are now."""
+
+    region: RegionId
+    tiers: Packed | None = None
+
+
+class MoveDone(Request, tag="move_done"):
+    """The engine's answer to a ``move`` event: which blocks it moved."""
+
+    move: Annotated[int, Meta(ge=1, le=(1 << 63) - 1)]
+    ok: Packed  # u1 per block of the move, in its order: 1 = moved
+    error: Annotated[str, Meta(max_length=1024)] = ""
+
+
 class Prefetch(Request, tag="prefetch"):
     """These blocks are about to be read (a preempted or returning session):
     bring them to tier 0 now."""
@@ -210,7 +241,7 @@ class Ages(Request, tag="ages"):
 
 AnyRequest = Union[
     Hello, Register, Allocate, Unregister, Hint, Phase, Query, Stats, Status, Tiers, Regions,
-    Blocks, Migrate, Measure, Pin, Unpin, Explain, Ages, Prefetch, Release,
+    Blocks, Migrate, Measure, Pin, Unpin, Explain, Ages, Prefetch, Release, RegisterEngine, Attach, MoveDone,
 ]
 REQUEST_TYPES: tuple[type[Request], ...] = AnyRequest.__args__  # type: ignore[attr-defined]
 OPS = {t.__struct_config__.tag: t for t in REQUEST_TYPES}
@@ -228,6 +259,9 @@ class Response(msgspec.Struct, omit_defaults=True):
     ok: bool
     result: Any = None
     error: ErrorBody | None = None
+    # Set on a frame the daemon sends unasked (id 0): "move" asks an
+    # engine-mode region's owner to move blocks (result: the move).
+    event: str | None = None
 
 
 class _IdOnly(msgspec.Struct):
@@ -324,6 +358,10 @@ def encode_response(resp: Response) -> bytes:
 
 def ok(req_id: int, result: Any = None) -> bytes:
     return encode_response(Response(req_id, True, result if result is not None else {}))
+
+
+def event(name: str, body: Any) -> bytes:
+    return encode_response(Response(0, True, body, None, name))
 
 
 def error(req_id: int, err: ProtocolError) -> bytes:

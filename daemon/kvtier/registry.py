@@ -26,7 +26,9 @@ from kvtier import logs
 from kvtier.blocks import (
     F_KEEP_DRAM,
     F_MANUAL_PIN,
+    F_ENGINE,
     F_NEVER_SWAP,
+    F_NOT_PRESENT,
     F_UNMOVABLE,
     BlockTable,
 )
@@ -94,6 +96,9 @@ class Region:
     placement: dict | None = None
     # The engine pins the pages: never planned (F_UNMOVABLE), still counted.
     pinned: bool = False
+    # "kernel": the daemon moves its pages; "engine": the owner moves its
+    # blocks between its own pools on request (kvtier.engine_moves).
+    mode: str = "kernel"
 
     @property
     def end(self) -> int:
@@ -168,9 +173,12 @@ class Registry:
         adopted_by: str = "",
         placement: dict | None = None,
         pinned: bool = False,
+        engine_tiers: np.ndarray | None = None,
     ) -> Region:
         """Validate and add a region. ``start_time`` (re-adoption) must match
-        the live process's; ``region_id`` keeps the id a client already holds."""
+        the live process's; ``region_id`` keeps the id a client already holds.
+        ``engine_tiers`` (one per block) makes it an engine-mode region: no
+        memory of the process is named, so no mapping or overlap is checked."""
         lim = self.limits
         if block_size < MIN_BLOCK_SIZE:
             raise InvalidArgument(f"block_size {block_size} is below the minimum {MIN_BLOCK_SIZE}")
@@ -197,8 +205,9 @@ class Registry:
                 f"pid {pid} holds {held} bytes; {length} more exceed limits.max_bytes_per_process="
                 f"{lim.max_bytes_per_process}"
             )
+        engine = engine_tiers is not None
         for r in mine:
-            if start < r.end and r.start < start + length:
+            if not engine and r.mode == "kernel" and start < r.end and r.start < start + length:
                 raise Overlap(
                     f"range 0x{start:x}+{length} overlaps region {r.id} "
                     f"(0x{r.start:x}+{r.length}) of pid {pid}"
@@ -210,7 +219,11 @@ class Registry:
         live_start = self.processes.start_time(pid)
         if start_time is not None and live_start != start_time:
             raise ProcessGone(errno.ESRCH, f"adopt pid {pid}", "pid was reused by another process")
-        self.processes.check_range(pid, start, length)
+        if engine:
+            if engine_tiers.size != nblocks:
+                raise InvalidArgument(f"{engine_tiers.size} tiers for {nblocks} blocks")
+        else:
+            self.processes.check_range(pid, start, length)
         if pid not in self.by_pid and self.watcher is not None:
             self.watcher.watch(pid, self.drop_pid)
         if region_id is None:
@@ -223,15 +236,20 @@ class Registry:
             flags |= CONSTRAINT_FLAGS[c]
         if pinned:
             flags |= F_UNMOVABLE
+        if engine:
+            flags |= F_ENGINE
         tid = self.tenant_id(tenant)
         self.table.add_region(
             region_id, pid, start, length, block_size, flags=flags, priority=priority, tenant=tid
         )
+        if engine:
+            self.set_engine_tiers(region_id, engine_tiers)
         reg = Region(
             id=region_id, pid=pid, start_time=live_start, start=start, length=length,
             block_size=block_size, nblocks=nblocks, name=name, tenant=tenant, tenant_id=tid,
             priority=priority, constraints=tuple(constraints), owner_uid=owner_uid, adopted_by=adopted_by,
             placement=dict(placement) if placement else None, pinned=bool(pinned),
+            mode="engine" if engine else "kernel",
         )
         self.regions[region_id] = reg
         self.by_pid.setdefault(pid, set()).add(region_id)
@@ -243,6 +261,18 @@ class Registry:
         logs.event(log, "region_registered", region=region_id, pid=pid, name=name, tenant=tenant,
                    bytes=length, blocks=nblocks, block_size=block_size)
         return reg
+
+    def set_engine_tiers(self, region_id: int, tiers: np.ndarray) -> None:
+        """Where an engine-mode region's blocks are, as its owner says (the
+        daemon has no pages to measure): -1 = not placed (never planned)."""
+        t = self.table
+        view = t.region_view(region_id, "tier")
+        if tiers.size != view.size:
+            raise InvalidArgument(f"{tiers.size} tiers for {view.size} blocks")
+        view[:] = tiers
+        flags = t.region_view(region_id, "flags")
+        flags[tiers >= 0] &= np.uint8(~F_NOT_PRESENT & 0xFF)
+        flags[tiers < 0] |= np.uint8(F_NOT_PRESENT)
 
     def get(self, region_id: int) -> Region:
         reg = self.regions.get(region_id)
@@ -343,7 +373,7 @@ class Registry:
     # -- persistence -----------------------------------------------------
 
     STATE_KEYS = ("id", "pid", "start_time", "start", "length", "block_size", "name",
-                  "tenant", "priority", "constraints", "owner_uid", "registered_at", "placement", "pinned")
+                  "tenant", "priority", "constraints", "owner_uid", "registered_at", "placement", "pinned", "mode")
 
     def to_state(self) -> list[dict]:
         out = []
@@ -376,6 +406,9 @@ class Registry:
                     region_id=int(e["id"]),
                     placement=e.get("placement") if isinstance(e.get("placement"), dict) else None,
                     pinned=bool(e.get("pinned", False)),
+                    # an engine region comes back unplaced until its owner attaches
+                    engine_tiers=(np.full(-(-int(e["length"]) // int(e["block_size"])), -1, dtype=np.int8)
+                                  if e.get("mode") == "engine" else None),
                 )
                 reg.registered_at = float(e.get("registered_at", reg.registered_at))
                 adopted += 1

@@ -194,6 +194,7 @@ class ControlAPI:
         self.stats = stats
         self.max_message_bytes = max_message_bytes
         self.version = version
+        self._pushers: dict[Peer, Callable[[str, dict], None]] = {}
         self._handlers: dict[type, Callable[[Peer, Any], Any]] = {
             t: getattr(self, "op_" + op) for op, t in protocol.OPS.items()
         }
@@ -285,19 +286,72 @@ class ControlAPI:
     def op_allocate(self, peer: Peer, req: protocol.Allocate) -> dict:
         """Choose the node for memory the caller mapped and has not touched,
         and register it; the client mbinds it there before the first touch."""
+        pid, start_time = self._register_target(peer, None)
         want = None if req.tier == "auto" else self._tier_index(req.tier)
         tid = self.registry.tenant_id(req.tenant)
-        where = placement.choose(req.length, self._tier_rooms(peer.pid, tid), want, req.pinned)
+        where = placement.choose(req.length, self._tier_rooms(pid, tid), want, req.pinned)
         plc = {"tier": where.tier, "tier_name": where.tier_name, "node": where.node, "reason": where.reason}
         reg = self.registry.add(
-            peer.pid, req.start, req.length, req.block_size, name=req.name, tenant=req.tenant,
+            pid, req.start, req.length, req.block_size, name=req.name, tenant=req.tenant,
             priority=req.priority, constraints=tuple(dict.fromkeys(req.constraints)),
-            owner_uid=peer.uid, placement=plc, pinned=req.pinned,
+            owner_uid=peer.uid, start_time=start_time, placement=plc, pinned=req.pinned,
         )
-        logs.event(log, "region_allocated", region=reg.id, pid=peer.pid, tier=where.tier_name,
+        logs.event(log, "region_allocated", region=reg.id, pid=pid, tier=where.tier_name,
                    node=where.node, pinned=req.pinned, reason=where.reason)
-        return {"region": reg.id, "blocks": reg.nblocks, "block_size": reg.block_size, "pid": peer.pid,
+        return {"region": reg.id, "blocks": reg.nblocks, "block_size": reg.block_size, "pid": pid,
                 "pinned": req.pinned, **plc}
+
+    # -- engine-mode regions (kvtier.engine_moves) -----------------------
+
+    def connected(self, peer: Peer, push: Callable[[str, dict], None]) -> None:
+        """The transport can send ``peer`` unasked frames through ``push``."""
+        self._pushers[peer] = push
+
+    def disconnected(self, peer: Peer) -> None:
+        self._pushers.pop(peer, None)
+        self.engine.engine_moves.detach(peer)
+
+    def _engine_tiers(self, packed: bytes, nblocks: int) -> np.ndarray:
+        tiers = protocol.unpack(packed, protocol.TIERS_DTYPE, "tiers")
+        if tiers.size != nblocks:
+            raise protocol.ProtocolError(protocol.E_INVALID_ARGUMENT, f"{tiers.size} tiers for {nblocks} blocks")
+        ntiers = len(self.engine.tier_names())
+        if tiers.size and (int(tiers.max()) >= ntiers or int(tiers.min()) < -1):
+            raise protocol.ProtocolError(protocol.E_INVALID_ARGUMENT,
+                                         f"tiers must be -1 (not placed) or 0..{ntiers - 1}")
+        return tiers.astype(np.int8)
+
+    def _attach(self, peer: Peer, region_id: int) -> None:
+        push = self._pushers.get(peer)
+        if push is None:
+            raise protocol.ProtocolError(protocol.E_FEATURE, "this transport cannot send move events")
+        self.engine.engine_moves.attach(region_id, peer, push)
+
+    def op_register_engine(self, peer: Peer, req: protocol.RegisterEngine) -> dict:
+        pid, start_time = self._register_target(peer, None)
+        tiers = self._engine_tiers(req.tiers, req.blocks)
+        reg = self.registry.add(
+            pid, 0, req.blocks * req.block_size, req.block_size, name=req.name, tenant=req.tenant,
+            priority=req.priority, constraints=tuple(dict.fromkeys(req.constraints)),
+            owner_uid=peer.uid, start_time=start_time, engine_tiers=tiers,
+        )
+        self._attach(peer, reg.id)
+        return {"region": reg.id, "blocks": reg.nblocks, "block_size": reg.block_size, "pid": pid}
+
+    def op_attach(self, peer: Peer, req: protocol.Attach) -> dict:
+        reg = self._own(peer, req.region)
+        if reg.mode != "engine":
+            raise protocol.ProtocolError(protocol.E_INVALID_ARGUMENT, f"region {reg.id} is not an engine region")
+        if req.tiers is not None:
+            self.registry.set_engine_tiers(reg.id, self._engine_tiers(req.tiers, reg.nblocks))
+        self._attach(peer, reg.id)
+        return {"region": reg.id}
+
+    def op_move_done(self, peer: Peer, req: protocol.MoveDone) -> dict:
+        ok = protocol.unpack(req.ok, protocol.FLAGS_DTYPE, "ok")
+        eng = self.engine
+        result, eng.pstate = eng.engine_moves.ack(peer, req.move, ok, req.error, eng.policy_cfg, eng.pstate)
+        return result
 
     def _tier_index(self, spec: str) -> int:
         names = self.engine.tier_names()
@@ -354,6 +408,7 @@ class ControlAPI:
     def op_unregister(self, peer: Peer, req: protocol.Unregister) -> dict:
         self._own(peer, req.region)
         reg = self.registry.remove(req.region)
+        self.engine.engine_moves.forget_region(reg.id)
         logs.event(log, "region_unregistered", region=reg.id, pid=reg.pid, name=reg.name, by_uid=peer.uid)
         return {}
 
@@ -544,11 +599,18 @@ class Connection(asyncio.Protocol):
             self._fail(protocol.ProtocolError(protocol.E_LIMIT, refuse, fatal=True))
             return
         transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+        self.server.api.connected(self.peer, self._push)
+
+    def _push(self, name: str, body: dict) -> None:
+        """An unasked frame (an engine-mode move request) to this client."""
+        if not self.closing:
+            self._write([protocol.event(name, body)])
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closing = True
         self.server.release(self)
         if self.peer is not None:
+            self.server.api.disconnected(self.peer)
             self.peer.close()
 
     # Backpressure: when the client stops reading answers, stop answering

@@ -118,6 +118,11 @@ class DaemonStats:
     # prefetch / release: seconds from the request to the block in its tier
     prefetch_seconds_hist: Histogram = field(default_factory=lambda: Histogram(MIGRATION_BUCKETS))
     release_seconds_hist: Histogram = field(default_factory=lambda: Histogram(MIGRATION_BUCKETS))
+    # engine-mode regions: moves sent to their owners, dropped with a lost
+    # connection, and the time from sending a move to its answer
+    engine_moves_sent_total: int = 0
+    engine_moves_dropped_total: int = 0
+    engine_move_seconds_hist: Histogram = field(default_factory=lambda: Histogram(MIGRATION_BUCKETS))
     config_reloads_total: int = 0
     config_reload_errors_total: int = 0
 
@@ -135,6 +140,9 @@ class DaemonStats:
 
     def observe_scheduled(self, kind: str, seconds: float) -> None:
         (self.prefetch_seconds_hist if kind == "prefetch" else self.release_seconds_hist).observe(seconds)
+
+    def observe_engine_move(self, seconds: float) -> None:
+        self.engine_move_seconds_hist.observe(seconds)
 
     def to_dict(self) -> dict:
         """Wire/JSON form: counters keyed by strings."""
