@@ -305,9 +305,10 @@ def pytest_collection_modifyitems(session, config, items):
         proxy.keywords.update(item.keywords)
         if config.pluginmanager.hasplugin("timeout"):
             # The first proxy waits for the whole guest run, which run.py
-            # bounds itself (KVTIER_VM_TIMEOUT); a per-test timeout from the
-            # command line must not cut it short.
-            proxy.add_marker(pytest.mark.timeout(0))
+            # bounds itself (KVTIER_VM_TIMEOUT); neither a per-test timeout
+            # from the command line nor the test's own timeout marker (the
+            # guest applies that one, scaled) may cut it short: first in line.
+            proxy.add_marker(pytest.mark.timeout(0), append=False)
         items[i] = proxy
         runs.setdefault(mode, GuestRun(mode, [])).nodeids.append(item.nodeid)
     config.stash[_RUNS_KEY] = runs

@@ -232,3 +232,29 @@ def test_missing_guest_skips_except_under_ci(tmp_path, ci, outcome):
     assert f"{outcome}" in r.stdout, r.stdout
     assert "VM test-bed unavailable: no guest kernel in" in r.stdout
     assert r.returncode == (0 if ci is None else 1), r.stdout
+
+
+def test_a_vm_tests_own_timeout_marker_never_times_out_its_host_proxy(tmp_path):
+    # The guest applies the marker (scaled); on the host the proxy waits for
+    # the guest's result, which run.py bounds: seen cutting a proxy off at
+    # the marker's 15 s while the guest test still ran.
+    (tmp_path / "conftest.py").write_text(
+        "import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('vmplugin', {str(TESTS / 'conftest.py')!r})\n"
+        "mod = importlib.util.module_from_spec(spec)\n"
+        "import sys; sys.modules['vmplugin'] = mod; spec.loader.exec_module(mod)\n"
+        "pytest_collection_modifyitems = mod.pytest_collection_modifyitems\n"
+        "def pytest_collection_finish(session):\n"
+        "    print('TIMEOUTS', [i.get_closest_marker('timeout').args for i in session.items])\n"
+    )
+    (tmp_path / "test_guest_side.py").write_text(
+        "import pytest\n"
+        "@pytest.mark.vm\n@pytest.mark.timeout(15)\ndef test_long():\n    pass\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *FAST,
+         "-c", os.devnull, "--rootdir", str(tmp_path), "-o", "markers=vm", "test_guest_side.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "KVTIER_IN_VM"},
+    )
+    assert "TIMEOUTS [(0,)]" in r.stdout, r.stdout + r.stderr
