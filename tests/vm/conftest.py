@@ -29,7 +29,7 @@ def pytest_runtest_protocol(item, nextitem):
         f = remeasure()
         given = item.get_closest_marker("timeout")
         base = float(given.args[0]) if given and given.args else TEST_TIMEOUT
-        item.add_marker(pytest.mark.timeout(base * f), append=False)
+        item.add_marker(pytest.mark.timeout(round(base * f, 1)), append=False)
         item.user_properties.append(("slowness", round(f, 2)))
     yield
 
