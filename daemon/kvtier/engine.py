@@ -282,11 +282,10 @@ class Engine:
             })
         return out
 
-    def _node_for(self, tier_idx: int) -> int:
-        """The tier's node with the most free memory (tiers of several nodes,
-        e.g. two CXL expanders, fill evenly)."""
-        t = self.topology.tiers[tier_idx]
-        return max(t.nodes, key=lambda n: self.topology.nodes[n].free)
+    def _node_for(self, tier_idx: int, pid: int) -> int:
+        """The tier's node nearest the process's allowed CPUs (tiers of
+        several nodes: each socket's CXL or far memory; Topology.nearest_node)."""
+        return self.topology.node_for(tier_idx, pid)[0]
 
     def _is_swap(self, tier_idx: int) -> bool:
         return self.topology.tiers[tier_idx].kind == "swap"
@@ -353,7 +352,13 @@ class Engine:
 
     def explain(self, row: int) -> str:
         snap = self.table.snapshot()
-        return pol.explain(snap, row, self.tier_states(), self.policy_cfg, self.pstate, self.clock())
+        text = pol.explain(snap, row, self.tier_states(), self.policy_cfg, self.pstate, self.clock())
+        pid = int(snap["pid"][row])
+        # Which node of a multi-node tier this process's blocks go to, and why.
+        for t in self.topology.tiers:
+            if len(t.nodes) > 1:
+                text += f"\nnode in {t.name}: {self.topology.node_for(t.index, pid)[1]}"
+        return text
 
     @property
     def future(self) -> Future | None:
@@ -651,9 +656,9 @@ class Engine:
                 if self._is_swap(int(dst)):
                     res = m.pageout(int(pid), starts, lengths)
                 elif src >= 0 and self._is_swap(int(src)):
-                    res = m.pagein(int(pid), starts, lengths, self._node_for(int(dst)))
+                    res = m.pagein(int(pid), starts, lengths, self._node_for(int(dst), int(pid)))
                 else:
-                    res = m.move(int(pid), starts, lengths, self._node_for(int(dst)))
+                    res = m.move(int(pid), starts, lengths, self._node_for(int(dst), int(pid)))
             except (KvtierError, OSError) as e:
                 name = getattr(e, "errno_name", None) or type(e).__name__
                 job.failures[(int(src), int(dst), name)] += int(sel.size)

@@ -52,6 +52,8 @@ class TopologyView(Protocol):
 
     def node_tier_lut(self) -> np.ndarray: ...
 
+    def node_for(self, tier_idx: int, pid: int) -> tuple[int, str]: ...  # the node a pid's block goes to, and why
+
 
 class ResidencyView(Protocol):
     node_pages: np.ndarray  # (blocks, nodes) resident pages per node

@@ -267,3 +267,100 @@ def test_pending_changes_compose(tree, engine_on):
     # far and swap blocks are back at their old numbers; the CXL block is
     # unknown (its tier was gone meanwhile) and measured: never touched, no pages.
     assert t.tier.tolist() == [0, TIER_UNKNOWN, 2, 3]
+
+
+# -- per-process far-node affinity -------------------------------------------
+
+
+def two_socket_tree(root: Path, hmat: dict[int, int] | None = None) -> Path:
+    """Two CPU nodes (0: CPUs 0-1, 1: CPUs 2-3) and two CPU-less far nodes
+    in one kernel memory tier: node 2 hangs off socket 0 (SLIT 20 from it,
+    30 from socket 1), node 3 off socket 1. ``hmat``: far node -> the CPU
+    node its access0/initiators names (links as the kernel makes them)."""
+    sysd = root / "sys/devices/system/node"
+    dist = {0: "10 20 20 30", 1: "20 10 30 20", 2: "20 30 10 30", 3: "30 20 30 10"}
+    for f, v in (("online", "0-3"), ("possible", "0-3"), ("has_memory", "0-3"), ("has_cpu", "0-1")):
+        (sysd).mkdir(parents=True, exist_ok=True)
+        (sysd / f).write_text(v + "\n")
+    for n in range(4):
+        d = sysd / f"node{n}"
+        d.mkdir()
+        (d / "cpulist").write_text({0: "0-1", 1: "2-3"}.get(n, "") + "\n")
+        free_kb = 1 << 20 if n != 3 else 2 << 20  # node 3 has more free memory
+        (d / "meminfo").write_text(f"Node {n} MemTotal: {4 << 20} kB\nNode {n} MemFree: {free_kb} kB\n")
+        (d / "distance").write_text(dist[n] + "\n")
+    for far, cpu_node in (hmat or {}).items():
+        ini = sysd / f"node{far}/access0/initiators"
+        ini.mkdir(parents=True)
+        (ini / f"node{cpu_node}").symlink_to(f"../../../node{cpu_node}")
+        (ini / "read_latency").write_text("200\n")
+    mt = root / "sys/devices/virtual/memory_tiering"
+    for tier, nodes in ((4, "0-1"), (22, "2-3")):
+        (mt / f"memory_tier{tier}").mkdir(parents=True)
+        (mt / f"memory_tier{tier}/nodelist").write_text(nodes + "\n")
+    (root / "proc").mkdir()
+    (root / "proc/swaps").write_text("Filename\tType\tSize\tUsed\tPriority\n")
+    (root / "proc/meminfo").write_text("MemTotal: 16777216 kB\n")
+    return root
+
+
+def test_a_multi_node_tier_places_blocks_near_the_process(tmp_path):
+    tree = two_socket_tree(tmp_path)
+    t = topo.discover(str(tree / "sys"), str(tree / "proc"))
+    assert [(x.name, x.nodes) for x in t.tiers] == [("dram", (0, 1)), ("far0", (2, 3))]
+    assert t.nearest_node(1, [0, 1])[0] == 2
+    assert t.nearest_node(1, [2])[0] == 3
+    node, why = t.nearest_node(1, [1])
+    assert node == 2 and "SLIT 20" in why and "3 SLIT 30" in why
+    # CPUs on both sockets: equal distance, the node with more free memory.
+    assert t.nearest_node(1, [0, 1, 2, 3])[0] == 3
+    assert t.nearest_node(1, None)[0] == 3 and "CPUs unknown" in t.nearest_node(1, None)[1]
+    assert t.nearest_node(0, [0]) == (0, "node 0: nearest to the process's CPU node(s) [0] "
+                                        "(SLIT 10; 1 SLIT 20)")
+
+
+def test_hmat_initiators_outrank_slit(tmp_path):
+    # HMAT says node 3 is best reached from socket 0, whatever SLIT says.
+    tree = two_socket_tree(tmp_path, hmat={3: 0, 2: 1})
+    t = topo.discover(str(tree / "sys"), str(tree / "proc"))
+    assert t.nodes[3].initiators == (0,)
+    node, why = t.nearest_node(1, [0])
+    assert node == 3 and "HMAT best initiator" in why
+
+
+def test_node_for_reads_the_process_affinity(tmp_path):
+    tree = two_socket_tree(tmp_path)
+    (tree / "proc/4242").mkdir()
+    (tree / "proc/4242/status").write_text("Name:\tvllm\nCpus_allowed:\tc\nCpus_allowed_list:\t2-3\n")
+    t = topo.discover(str(tree / "sys"), str(tree / "proc"))
+    assert t.node_for(1, 4242)[0] == 3
+    assert "CPUs unknown" in t.node_for(1, 999999)[1]  # gone: most free memory, no error
+
+
+def test_explain_shows_the_node_choice_and_moves_use_it(tmp_path):
+    tree = two_socket_tree(tmp_path)
+    me = os.getpid()
+    (tree / f"proc/{me}").mkdir()
+    # Socket 0's CPUs: node 2 is nearest, node 3 has more free memory.
+    (tree / f"proc/{me}/status").write_text("Name:\tpytest\nCpus_allowed_list:\t0-1\n")
+    buf = mmap.mmap(-1, 4 * MIB)
+    table, stats, temp = BlockTable(), DaemonStats(), Temperature(10.0)
+    reg = Registry(table, Limits(), stats, temp, ProcProcesses())
+    reg.add(me, np.frombuffer(buf, dtype=np.uint8).ctypes.data, 4 * MIB, 2 * MIB)
+    loop = asyncio.new_event_loop()
+    mig = Migrator(dry_run=True)
+    mig.max_node = 3  # the fixture's machine has nodes 0-3; this one may not
+    eng = Engine(table, reg, topo.discover(str(tree / "sys"), str(tree / "proc")), mig, temp,
+                 PolicyConfig(), stats, loop)
+    try:
+        text = eng.explain(0)
+        assert "node in far0: node 2: nearest to the process's CPU node(s) [0]" in text, text
+        eng.request_move(np.array([0, 1]), 1)
+        table.tier[:] = 0
+        tick(eng)
+        # The dry-run migrator records the node each batch was sent to.
+        assert {op["node"] for op in mig.record if op["op"] == "move_pages"} == {2}, mig.record
+    finally:
+        eng.shutdown()
+        loop.close()
+        buf.close()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvtier.errors import InvalidArgument, PermissionDenied, ProcessGone, RangeNotMapped, os_error
+from kvtier.kernel.sysfs import parse_list
 
 PROC_MAPS = "maps"
 PROC_STAT = "stat"
@@ -152,6 +153,15 @@ def read_uids(pid: int, proc_root: str = "/proc") -> tuple[int, int]:
             f = line.split()
             return int(f[1]), int(f[2])
     raise ProcessGone(errno.ESRCH, f"read {_pid_path(proc_root, pid, PROC_STATUS)}", "no Uid line")
+
+
+def read_cpus_allowed(pid: int, proc_root: str = "/proc") -> list[int]:
+    """CPUs the process may run on (Cpus_allowed_list of /proc/PID/status:
+    its affinity mask, cpusets included)."""
+    for line in _read_text(proc_root, pid, PROC_STATUS).splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            return parse_list(line.split(":", 1)[1].strip())
+    return []
 
 
 def read_cgroup(pid: int, proc_root: str = "/proc") -> str:

@@ -53,9 +53,9 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from kvtier.kernel import sysfs
+from kvtier.kernel import procfs, sysfs
 from kvtier.blocks import TIER_UNKNOWN
-from kvtier.errors import ConfigError, InvalidArgument, KvtierOSError
+from kvtier.errors import ConfigError, InvalidArgument, KvtierError, KvtierOSError
 
 KIND_DRAM = "dram"
 KIND_FAR = "far"
@@ -111,6 +111,7 @@ class NodeInfo:
     perf: Perf | None
     cxl: str | None  # evidence for the CXL classification, e.g. "dax0.0 in region0"
     slit_from_cpu: int | None = None  # SLIT distance from the nearest CPU node
+    initiators: tuple[int, ...] = ()  # HMAT: the nodes whose CPUs reach it best (access0/initiators/nodeN)
     meminfo_path: str = field(repr=False, default="")
 
 
@@ -212,6 +213,48 @@ class Topology:
             _fill_capacity(t, self)
         return [t.free for t in self.tiers]
 
+    def nearest_node(self, tier_idx: int, cpus: Iterable[int] | None) -> tuple[int, str]:
+        """The node of a tier to place a process's block on, and why.
+
+        In a tier of several nodes (two CXL expanders, each socket's far
+        memory) a block goes to the node nearest the CPUs the process may run
+        on, so its KV stays within its socket's or switch's domain instead of
+        crossing the inter-socket link on every read: first a node whose
+        HMAT best initiators include one of the process's CPU nodes, then the
+        smallest SLIT distance from them, then the most free memory. Without
+        CPUs (unknown) the node with the most free memory, as before.
+        """
+        t = self.tiers[tier_idx]
+        if len(t.nodes) == 1:
+            return t.nodes[0], f"node {t.nodes[0]}: the tier's only node"
+        cpu_set = set(cpus or ())
+        cpu_nodes = sorted(n for n, info in self.nodes.items() if cpu_set & set(info.cpus))
+        if not cpu_nodes:
+            best = max(t.nodes, key=lambda n: self.nodes[n].free)
+            return best, f"node {best}: most free memory of nodes {list(t.nodes)} (process CPUs unknown)"
+
+        def slit(n: int) -> int:
+            return min(self.nodes[c].distances.get(n, 255) for c in cpu_nodes)
+
+        def hmat(n: int) -> bool:
+            return bool(set(self.nodes[n].initiators) & set(cpu_nodes))
+
+        best = min(t.nodes, key=lambda n: (not hmat(n), slit(n), -self.nodes[n].free, n))
+        others = ", ".join(f"{n} SLIT {slit(n)}" for n in t.nodes if n != best)
+        return best, (f"node {best}: nearest to the process's CPU node(s) {cpu_nodes} "
+                      f"(SLIT {slit(best)}{', HMAT best initiator' if hmat(best) else ''}; {others})")
+
+    def node_for(self, tier_idx: int, pid: int) -> tuple[int, str]:
+        """``nearest_node`` for a process, from its allowed CPUs
+        (/proc/PID/status); one small read, only for tiers of several nodes."""
+        cpus = None
+        if len(self.tiers[tier_idx].nodes) > 1:
+            try:
+                cpus = procfs.read_cpus_allowed(pid, self.proc_root)
+            except (KvtierError, OSError):
+                cpus = None  # gone or unreadable: fall back to free memory
+        return self.nearest_node(tier_idx, cpus)
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready description (kvtierctl topology --json)."""
         nodes = []
@@ -266,6 +309,13 @@ def _read_perf(node_dir: str) -> Perf | None:
             vals = [v if v else None for v in vals]
             return Perf(access, *vals)
     return None
+
+
+def _read_initiators(node_dir: str) -> tuple[int, ...]:
+    """Nodes listed (as nodeN links) in access0/initiators: the CPU nodes
+    HMAT names as this memory's best initiators."""
+    base = os.path.join(node_dir, "access0", sysfs.HMAT_INITIATORS)
+    return tuple(sorted(int(m.group(1)) for m in map(_NODE_RE.match, sysfs.listdir(base)) if m))
 
 
 def _read_memory_tiers(sys_root: str) -> dict[int, int] | None:
@@ -380,7 +430,7 @@ def _read_nodes(sys_root: str, proc_root: str, warnings: list[str]) -> dict[int,
         else:
             continue  # neither CPUs nor memory (e.g. a generic initiator)
         nodes[node] = NodeInfo(node, kind, cpus, total, free, distances, None,
-                               _read_perf(ndir), None, meminfo_path=meminfo)
+                               _read_perf(ndir), None, meminfo_path=meminfo, initiators=_read_initiators(ndir))
     return nodes
 
 
