@@ -319,6 +319,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("metrics", "port", int, _M.port, "TCP port (0 = any free port).", 0, 65535),
     Option("metrics", "per_region", bool, _M.per_region,
            "Per-region series (regions x tiers of them); off keeps the per-tenant ones."),
+    # -- record (kvtier.record: replay with kvtier-sim) ------------------------
+    Option("record", "enabled", bool, False,
+           "Record registrations, hints, source observations and placements for kvtier-sim replay."),
+    Option("record", "dir", str, "/var/lib/kvtierd/recording",
+           "Directory of the recording (kvtier.csv, then kvtier.csv.1 ... as it rotates).", lo=1),
+    Option("record", "max_bytes", int, 64 * MIB, "Size at which the current file rotates.", 4096, 1 << 40),
+    Option("record", "files", int, 4, "Files kept, the current one included (bounds the disk used).", 1, 1000),
 )
 
 SECTION_DOCS = {
@@ -333,6 +340,7 @@ SECTION_DOCS = {
     "hotness.perf_fault": "Major-fault sample source.",
     "hotness.perf": "Load sample source.",
     "metrics": "Prometheus exporter.",
+    "record": "Recording of what the daemon saw, in kvtier-sim's trace format.",
 }
 
 # Arrays of tables: ``[[watch]]`` holds one zero-integration rule per table

@@ -30,6 +30,7 @@ from typing import Any
 
 from kvtier import __version__, cli, config
 from kvtier import hotness, logs, state
+from kvtier import record as record_mod
 from kvtier import watch as watch_mod
 from kvtier import metrics as metrics_mod
 from kvtier.kernel import sources as sources_mod
@@ -117,6 +118,12 @@ class Daemon:
             d.sys_root, d.proc_root, topology_overrides(self.cfg), hotplug=True))
         self.uevents = uevents.UeventListener(loop, self.hotplug.on_burst)
         self.metrics = self._exporter(metrics_mod.MetricsConfig(**cfg.table("metrics")))
+        self.recorder = None
+        if cfg.record.enabled:
+            self.recorder = record_mod.Recorder(cfg.record.dir, cfg.record.max_bytes, cfg.record.files, self.table,
+                                                self.registry, self.engine.tier_states, lambda: self.engine.policy_cfg,
+                                                meta={"tick_s": d.tick_interval, "tau_s": cfg.hotness.tau_s})
+            self.registry.recorder = self.engine.recorder = self.recorder
         self.watch = watch_mod.Watcher(watch_mod.parse_rules(cfg.watch), self.registry, PsutilScanner(d.proc_root))
         self.watch_schedule = watch_mod.Schedule(self.watch, loop, d.watch_interval)
         self.api = ControlAPI(self.registry, self.engine, self.stats, lim.max_message_bytes, VERSION)
@@ -327,6 +334,8 @@ class Daemon:
         await asyncio.get_running_loop().run_in_executor(None, self.engine.wait_idle, 60.0)
         await asyncio.sleep(0)
         self.engine.shutdown()
+        if self.recorder is not None:
+            self.recorder.close()  # after the last job's results
         if self._state_timer is not None:
             self._state_timer.cancel()
         self._state_executor.shutdown(wait=True)  # an in-flight write finishes first

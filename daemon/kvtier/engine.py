@@ -240,6 +240,7 @@ class Engine:
         self.pace = {s.name: SourcePace() for s in self.sources}
         self._targets_gen = -1
         self._pending_topology: tuple[Any, np.ndarray] | None = None
+        self.recorder = None  # kvtier.record.Recorder when [record] is on
         self._targets_hinted: frozenset[int] | None = None
         self._targets_slices: dict[int, Slice] = {}
         self._hinted_regions: frozenset[int] = frozenset()
@@ -315,6 +316,9 @@ class Engine:
             col[known] = index_map[col[known].astype(np.int64)]
         self.manual = [(r, i, int(index_map[t])) for r, i, t in self.manual if index_map[t] >= 0]
         self.topology = topology
+        # libnuma counts the nodes present when the daemon started: a node
+        # hot-added since (a CXL region onlined) must still be a valid target.
+        self.migrator.max_node = max(self.migrator.max_node, max(topology.nodes, default=0))
         self._dirty = True
         # Memory went offline under some blocks (the kernel moved their
         # pages) or a tier is new: measure every block where it really is.
@@ -720,6 +724,12 @@ class Engine:
             if job.engine_pos is not None:
                 ok_plan[job.engine_pos] = True  # in the engines' hands: refunded by their answers
             self.pstate = pol.refund(self.pstate, job.plan, ok_plan, self.policy_cfg)
+        self._record_placements()
+
+    def _record_placements(self) -> None:
+        if self.recorder is not None:
+            self.recorder.config()
+            self.recorder.placed()
 
     # -- measure -----------------------------------------------------------
 
@@ -907,6 +917,7 @@ class Engine:
                 t.tier[r[new]] = wt[new]
                 flags[r[new]] &= np.uint8(~F_NOT_PRESENT & 0xFF)
                 self._dirty = True
+        self._record_placements()
 
     # -- collect -----------------------------------------------------------
 
@@ -979,6 +990,8 @@ class Engine:
             ok = (r >= 0) & (r < len(t))
             r = r[ok]
             self.temperature.add(t, r, obs.counts[ok], now, obs.weight)
+            if self.recorder is not None:
+                self.recorder.observed(obs.source, r, obs.counts[ok], obs.weight)
             # seen accessed while the table says not present: measure it
             unsure = r[((t.flags[r] & np.uint8(F_NOT_PRESENT)) != 0) | (t.tier[r] < 0)]
             t.flags[unsure] |= np.uint8(F_STALE)

@@ -74,6 +74,7 @@ class MigratorPort(Protocol):
 
     dry_run: bool
     page_size: int
+    max_node: int  # highest NUMA node it moves to; raised when a node is hot-added
 
     def query_nodes(self, pid: int, addrs: np.ndarray) -> np.ndarray: ...
 
@@ -87,6 +88,7 @@ class MigratorPort(Protocol):
 
 
 class ObservationView(Protocol):
+    source: str  # which hotness source (recordings name it)
     rows: np.ndarray  # BlockTable rows as at the last set_targets
     counts: np.ndarray
     weight: float

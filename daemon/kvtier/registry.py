@@ -144,6 +144,7 @@ class Registry:
         self.tenants: dict[str, int] = {"": 0}
         self.next_id = 1
         self.generation = 0  # bumped whenever table rows shift (region added/removed)
+        self.recorder = None  # kvtier.record.Recorder when [record] is on
 
     # -- registration ----------------------------------------------------
 
@@ -252,6 +253,8 @@ class Registry:
             mode="engine" if engine else "kernel",
         )
         self.regions[region_id] = reg
+        if self.recorder is not None:
+            self.recorder.region_added(region_id)
         self.by_pid.setdefault(pid, set()).add(region_id)
         self.pid_start[pid] = live_start
         self.stats.regions_registered_total += 1
@@ -282,6 +285,8 @@ class Registry:
 
     def remove(self, region_id: int) -> Region:
         reg = self.get(region_id)
+        if self.recorder is not None:
+            self.recorder.region_removed(region_id)
         self.table.remove_region(region_id)
         del self.regions[region_id]
         ids = self.by_pid[reg.pid]
@@ -339,6 +344,8 @@ class Registry:
         self.temperature.add(self.table, rows, 1.0 if counts is None else counts, self.clock(),
                              SOURCE_WEIGHTS["hint"])
         n = int(blocks.size)
+        if self.recorder is not None:
+            self.recorder.hint(region_id, blocks, counts)
         self.regions[region_id].block_hints += n
         self.stats.block_hints_total += n
         # Where the hinted blocks were when read: one bincount per message.

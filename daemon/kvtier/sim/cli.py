@@ -30,6 +30,7 @@ from .oracles import FeasibleOracle, belady_min
 from .policies import POLICIES
 from .requests import DEFAULT_DECODE_TPS, DEFAULT_MODEL, FORMATS, MODELS, RequestTrace
 from .runner import Result, capacity_cost, simulate
+from . import recording
 from .trace import OP_ALLOC, OP_FREE, load
 
 DEFAULT_DRAM_FRAC = 0.3  # of the trace's peak live bytes: DRAM holds under a third
@@ -46,6 +47,10 @@ def peak_live_bytes(tr) -> int:
 
 
 def sized_config(tr, args) -> SimConfig:
+    rec = getattr(args, "recording", None)
+    if rec is not None and not args.config:  # a kvtierd recording: its own tiers unless sizes are given
+        cfg = rec.sim_config(args.dram_gib, args.cxl_gib, args.tick)
+        return cfg.with_swap() if args.swap else cfg
     cfg = load_config(args.config) if args.config else SimConfig()
     if args.tick:
         cfg = SimConfig(cfg.tiers, args.tick)
@@ -235,6 +240,9 @@ def open_trace(args):
             args.trace, args.format, args.model, args.kv_bytes_per_token, args.block_tokens, args.decode_tps,
             args.pool_blocks, args.requests,
         )
+    if recording.is_recording(args.trace):
+        args.recording = recording.load(args.trace)
+        return args.recording.trace
     return load(args.trace)
 
 
@@ -259,8 +267,10 @@ def main(argv: list[str] | None = None) -> int:
         if bad:
             print(f"kvtier-sim: unknown policy {', '.join(bad)} (known: {', '.join(ALL)})", file=sys.stderr)
             return 2
-        settings = kvtier_settings(args.set)
         tr = open_trace(args)
+        rec = getattr(args, "recording", None)
+        # A recording replays with its recorded policy; --set changes it.
+        settings = kvtier_settings(args.set) if args.set or rec is None else rec.settings()
         label = Path(args.trace).stem if args.trace else args.preset
         cfg = sized_config(tr, args)
         results = run_all(tr, cfg, names, settings)
@@ -274,11 +284,16 @@ def main(argv: list[str] | None = None) -> int:
                 "results": [{k: v for k, v in asdict(r).items() if k != "timeline"} for r in results],
                 "capacity_cost": cost,
             }
+            if rec is not None:
+                doc["recording"] = {"files": rec.files, "live_fast_hit": rec.live_fast_hit,
+                                    "hinted_accesses": rec.hinted_accesses}
             print(json.dumps(doc, indent=2, default=str))
         else:
             gib = ", ".join(f"{t.name} {t.capacity_bytes / GIB:.1f} GiB" for t in cfg.tiers)
             print(f"trace {label}: {describe(tr)}; {gib}")
             print(format_table(results, cost))
+            if rec is not None:
+                print(rec.summary())
         if args.plot:
             for p in plot(results, Path(args.plot), label):
                 print(f"wrote {p}", file=sys.stderr)

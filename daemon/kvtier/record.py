@@ -1,0 +1,209 @@
+"""Record what kvtierd saw, in kvtier-sim's CSV trace format, so an
+operator can replay their own traffic with another policy or DRAM size
+(``kvtier-sim run --trace RECORDING_DIR``; kvtier/sim/recording.py reads it).
+
+What is written, one line per block event (``time,block,op,count``, time in
+seconds since recording started, block id = region id << 24 | block index):
+
+* registrations: ``alloc`` of every block of the region, ``free`` of every
+  block when it goes (unregistered, process exited);
+* client hints: ``access`` lines with the hinted counts — the accesses the
+  daemon's own hit ratio (kvtier_tier_hit_ratio) counts, so a replay of the
+  recorded configuration can be checked against it;
+
+and as ``#`` comment lines, which the plain trace reader skips and the
+recording reader understands:
+
+* ``# obs T SOURCE BLOCK COUNT``: hotness-source observations (DAMON,
+  access bits, perf) with their weight applied;
+* ``# place T BLOCK TIER``: each block's tier when it changes (moves and
+  measurements);
+* ``# tiers T name:kind:capacity ...`` and ``# policy T key=value ...``: the
+  configuration in force (at the start of each file and when it changes).
+
+Bounded: the current file is ``kvtier.csv``; past ``max_bytes`` it becomes
+``kvtier.csv.1`` (older ones shift to .2, ...; ``files`` are kept) and the
+new file starts with ``alloc`` lines of every live block, so each file
+replays on its own. Writes are buffered on the loop thread, one
+``np.savetxt`` per batch (a hint message, a job's results).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import time
+from dataclasses import asdict
+from typing import Any, Callable
+
+import numpy as np
+
+from kvtier import logs
+
+log = logging.getLogger("kvtier.record")
+
+FILE_NAME = "kvtier.csv"
+CSV_MAGIC = "# kvtier-trace"  # kvtier.sim.trace.CSV_MAGIC: the same header the sim reads
+INDEX_BITS = 24  # block index bits in a recorded id (limits.max_blocks_per_region <= 2**30; 2**24 here is plenty)
+
+
+def block_ids(region: np.ndarray, index: np.ndarray) -> np.ndarray:
+    return (region.astype(np.int64) << INDEX_BITS) | index.astype(np.int64)
+
+
+class Recorder:
+    def __init__(self, directory: str, max_bytes: int, files: int, table: Any, registry: Any,
+                 tiers: Callable[[], list], policy: Callable[[], Any], clock: Callable[[], float] = time.monotonic,
+                 meta: dict | None = None):
+        self.dir = directory
+        self.max_bytes = max_bytes
+        self.files = files
+        self.table = table
+        self.registry = registry
+        self.tiers = tiers
+        self.policy = policy
+        self.clock = clock
+        self.meta = dict(meta or {})  # tick_s, tau_s: what a replay needs besides tiers and policy
+        self.t0 = clock()
+        self.lines_total = 0
+        self.rotations_total = 0
+        self.errors_total = 0
+        self._known_ids = np.zeros(0, dtype=np.int64)  # sorted ids with a recorded tier
+        self._known_tier = np.zeros(0, dtype=np.int8)
+        self._config_line = ""
+        os.makedirs(directory, exist_ok=True)
+        self._f: io.TextIOWrapper | None = None
+        if os.path.exists(self.path) and os.path.getsize(self.path):
+            self._shift()  # a new daemon run starts a new file (its clock starts at 0 again)
+        self._open()
+
+    # -- files -----------------------------------------------------------
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.dir, FILE_NAME)
+
+    def _now(self) -> float:
+        return self.clock() - self.t0
+
+    def _open(self) -> None:
+        sizes = [r.block_size for r in self.registry.regions.values()]
+        block_bytes = max(set(sizes), key=sizes.count) if sizes else 2 << 20
+        self._f = open(self.path, "a", buffering=1 << 16)
+        if self._f.tell() == 0:
+            # started: the wall-clock time of time 0, so files of several daemon runs line up.
+            self._f.write(f"{CSV_MAGIC} block_bytes={block_bytes} recorder=kvtierd "
+                          f"started={time.time() - self._now():.6f}\ntime,block,op,count\n")
+        if self.meta:
+            self._f.write("# meta " + " ".join(f"{k}={v!r}" for k, v in sorted(self.meta.items())) + "\n")
+        self._config_line = ""
+        self.config()
+        # Every live block, so this file replays on its own after a rotation.
+        t = self.table
+        if len(t):
+            self._rows("alloc", block_ids(t.region, t.index), np.zeros(len(t)))
+            self._places(block_ids(t.region, t.index), t.tier.copy(), force=True)
+
+    def _rotate(self) -> None:
+        self._f.close()
+        self._shift()
+        self.rotations_total += 1
+        self._known_ids = self._known_ids[:0]
+        self._known_tier = self._known_tier[:0]
+        self._open()
+
+    def _shift(self) -> None:
+        """kvtier.csv -> .1 -> .2 ...; the oldest beyond ``files`` goes."""
+        for i in range(self.files - 1, 0, -1):
+            src = self.path if i == 1 else f"{self.path}.{i - 1}"
+            if os.path.exists(src):
+                os.replace(src, f"{self.path}.{i}")
+        if self.files <= 1:
+            os.unlink(self.path)
+
+    def _write(self, text: str) -> None:
+        if self._f is None:
+            return
+        try:
+            self._f.write(text)
+            if self._f.tell() >= self.max_bytes:
+                self._rotate()
+        except OSError as e:
+            # A full disk must not stop the daemon; recording stops instead.
+            self.errors_total += 1
+            logs.event(log, "recording_stopped", logging.ERROR, path=self.path, error=str(e))
+            self.close()
+
+    def _rows(self, op: str, ids: np.ndarray, counts: np.ndarray) -> None:
+        if ids.size == 0:
+            return
+        self._lines(f"{self._now():.6f},%d,{op},%g", ids, counts)
+
+    def _lines(self, fmt: str, ids: np.ndarray, values: np.ndarray) -> None:
+        # Ids < 2**53 are exact as float64, so one numeric array feeds savetxt.
+        buf = io.StringIO()
+        np.savetxt(buf, np.column_stack([ids.astype(np.float64), np.asarray(values, dtype=np.float64)]), fmt=fmt)
+        self.lines_total += int(ids.size)
+        self._write(buf.getvalue())
+
+    # -- what the daemon reports -----------------------------------------
+
+    def config(self) -> None:
+        """Tiers and policy in force; written when they change."""
+        tiers = " ".join(f"{t.name}:{t.kind}:{int(t.capacity_bytes)}" for t in self.tiers())
+        settings = " ".join(f"{k}={v!r}".replace(" ", "") for k, v in sorted(asdict(self.policy()).items()))
+        key = f"{tiers}|{settings}"
+        if key != self._config_line:
+            self._config_line = key
+            self._write(f"# tiers {self._now():.6f} {tiers}\n# policy {self._now():.6f} {settings}\n")
+
+    def region_added(self, region_id: int) -> None:
+        s = self.table.slices[region_id]
+        self._rows("alloc", block_ids(self.table.region[s.start:s.stop], self.table.index[s.start:s.stop]),
+                   np.zeros(s.count))
+
+    def region_removed(self, region_id: int) -> None:
+        s = self.table.slices[region_id]
+        ids = block_ids(self.table.region[s.start:s.stop], self.table.index[s.start:s.stop])
+        self._rows("free", ids, np.zeros(s.count))
+        keep = ~np.isin(self._known_ids, ids)
+        self._known_ids, self._known_tier = self._known_ids[keep], self._known_tier[keep]
+
+    def hint(self, region_id: int, blocks: np.ndarray, counts: np.ndarray | None) -> None:
+        ids = (np.int64(region_id) << INDEX_BITS) | blocks.astype(np.int64)
+        self._rows("access", ids, np.ones(ids.size) if counts is None else counts)
+
+    def observed(self, source: str, rows: np.ndarray, counts: np.ndarray, weight: float) -> None:
+        if rows.size == 0:
+            return
+        t = self.table
+        self._lines(f"# obs {self._now():.6f} {source} %d %g", block_ids(t.region[rows], t.index[rows]),
+                    counts.astype(np.float64) * weight)
+
+    def placed(self) -> None:
+        """Tiers of blocks that changed since the last call (after a job)."""
+        t = self.table
+        self._places(block_ids(t.region, t.index), t.tier.copy())
+
+    def _places(self, ids: np.ndarray, tiers: np.ndarray, force: bool = False) -> None:
+        order = np.argsort(ids)
+        ids, tiers = ids[order], tiers[order]
+        if force or self._known_ids.size == 0:
+            changed = np.ones(ids.size, dtype=bool)
+        else:
+            pos = np.searchsorted(self._known_ids, ids)
+            pos_c = np.minimum(pos, max(self._known_ids.size - 1, 0))
+            seen = (pos < self._known_ids.size) & (self._known_ids[pos_c] == ids)
+            changed = ~seen | (self._known_tier[pos_c] != tiers)
+        self._known_ids, self._known_tier = ids, tiers
+        if changed.any():
+            self._lines(f"# place {self._now():.6f} %d %d", ids[changed], tiers[changed])
+
+    def close(self) -> None:
+        if self._f is not None:
+            try:
+                self._f.close()
+            except OSError:
+                pass
+            self._f = None
