@@ -34,6 +34,7 @@ import asyncio
 import collections
 import logging
 import math
+import mmap
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -53,6 +54,7 @@ from kvtier.registry import Registry
 from kvtier.stats import DaemonStats
 
 log = logging.getLogger("kvtier.engine")
+PAGE_SIZE = mmap.PAGESIZE
 
 # Without new input (no hint, observation, measurement, registration or
 # finished move) the plan can only change through decay, which is slow
@@ -106,7 +108,7 @@ class MoveJob:
     engine_pos: np.ndarray | None = None
     ok: np.ndarray | None = None
     unmovable: np.ndarray | None = None
-    failures: collections.Counter = field(default_factory=collections.Counter)
+    failures: collections.Counter = field(default_factory=collections.Counter)  # (src, dst, errno) -> pages
     seconds: float = 0.0
 
 
@@ -665,7 +667,10 @@ class Engine:
                     res = m.move(int(pid), starts, lengths, self._node_for(int(dst), int(pid)))
             except (KvtierError, OSError) as e:
                 name = getattr(e, "errno_name", None) or type(e).__name__
-                job.failures[(int(src), int(dst), name)] += int(sel.size)
+                # Nothing of the batch moved: count its pages, the unit of
+                # the kernel's per-page statuses below (one unit per metric).
+                pages = -(-job.nbytes[sel].astype(np.int64) // PAGE_SIZE)
+                job.failures[(int(src), int(dst), name)] += int(pages.sum())
                 logs.event(log, "migration_batch_failed", logging.WARNING, pid=int(pid), src=int(src),
                            dst=int(dst), blocks=int(sel.size), reason=name, error=str(e))
                 continue
@@ -709,7 +714,7 @@ class Engine:
                     st.migrations[(int(s), int(d))] += int(counts[k])
                     st.migrated_bytes[(int(s), int(d))] += int(nbytes[k])
         for key, n in job.failures.items():
-            st.migration_failures[key] += n
+            st.migration_failed_pages[key] += n
         if job.requested_at is not None:
             # Scheduler hints, measured: from the request to the block in its tier.
             done = mv[job.ok[mv]]

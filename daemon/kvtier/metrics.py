@@ -41,7 +41,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.exposition import start_http_server
 
-from kvtier import __version__, ages
+from kvtier import __version__, ages, protocol
 from kvtier.blocks import F_MANUAL_PIN, F_UNMOVABLE, TIER_MIXED, TIER_UNKNOWN, BlockTable
 from kvtier.ports import TierInfo, TopologyView
 from kvtier.registry import Registry
@@ -53,6 +53,10 @@ DEFAULT_PORT = 9464  # the port Prometheus' own exporter list keeps for OpenTele
 # Temperature is a decayed access count: a block read r times a second
 # settles at r * tau (hotness.py), so decades span idle to every-decode-step.
 TEMP_BUCKETS = (0.0, 0.01, 0.1, 1.0, 10.0, 100.0, 1000.0, 10000.0)
+
+# The hint "source" as kvtier_hotness_source_active names it.
+HINT_SOURCE = "hint"
+HINT_REASON = "client hints over the socket"
 
 UNKNOWN_TIER = "unknown"
 MIXED_TIER = "mixed"
@@ -78,7 +82,6 @@ class MetricsConfig:
 # name -> (type, labels, help)
 METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "kvtier_build_info": ("info", ("version",), "kvtier version of the running daemon."),
-    "kvtier_start_time_seconds": ("gauge", (), "Unix time the daemon started."),
     "kvtier_tier_info": ("gauge", ("tier", "index", "kind", "nodes"),
                          "1 per memory tier: its index (0 = fastest), kind and NUMA nodes."),
     "kvtier_tier_capacity_bytes": ("gauge", ("tier",), "Bytes kvtier may fill in the tier (total unless capped)."),
@@ -89,7 +92,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "kvtier_tenant_tier_bytes": ("gauge", ("tenant", "tier"), "Bytes of a tenant's KV blocks per tier."),
     "kvtier_region_tier_bytes": ("gauge", ("region", "name", "tenant", "tier"),
                                  "Bytes of one region's KV blocks per tier (metrics.per_region)."),
-    "kvtier_tier_access_share": ("gauge", ("tier",),
+    "kvtier_tier_access_ratio": ("gauge", ("tier",),
                                  "Share of recent block accesses (decayed temperature) held by blocks now in the tier."),
     "kvtier_hint_block_accesses": ("counter", ("tier",),
                                    "Block accesses named in client hints, by the tier the block was in when hinted."),
@@ -103,10 +106,10 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "kvtier_block_temperature": ("gaugehistogram", (), "Blocks by current temperature (decayed access count)."),
     "kvtier_blocks_unmovable": ("gauge", (), "Blocks marked unmovable (pinned pages, repeated failures)."),
     "kvtier_blocks_pinned": ("gauge", (), "Blocks pinned to a tier by an operator."),
-    "kvtier_migrations": ("counter", ("src", "dst"), "Blocks migrated, by source and destination tier."),
+    "kvtier_migrated_blocks": ("counter", ("src", "dst"), "Blocks migrated, by source and destination tier."),
     "kvtier_migrated_bytes": ("counter", ("src", "dst"), "Bytes migrated, by source and destination tier."),
-    "kvtier_migration_failures": ("counter", ("src", "dst", "reason"),
-                                  "Failed block migrations by tiers and reason (errno name)."),
+    "kvtier_migration_failed_pages": ("counter", ("src", "dst", "reason"),
+                                      "Pages that did not move, by tiers and reason (errno name)."),
     "kvtier_migration_duration_seconds": ("histogram", (), "Wall time of one migration job (a plan's moves)."),
     "kvtier_prefetch_duration_seconds": ("histogram", (), "Time from a prefetch request to the block being in tier 0."),
     "kvtier_release_duration_seconds": ("histogram", (), "Time from a release request to the block being one tier down."),
@@ -211,9 +214,9 @@ class Collector:
         names = [t.name for t in tiers]
         cols = self._columns()
 
+        # No start time of our own: the process collector's
+        # process_start_time_seconds is the same number.
         yield InfoMetricFamily("kvtier_build", METRICS["kvtier_build_info"][2], value={"version": self.version})
-        yield GaugeMetricFamily("kvtier_start_time_seconds", METRICS["kvtier_start_time_seconds"][2],
-                                value=float(getattr(s, "started_wall", 0.0)))
         yield from self._tier_metrics(tiers, names, cols)
         yield from self._owner_metrics(names, cols)
         yield from self._hotness_metrics(names, cols)
@@ -291,18 +294,16 @@ class Collector:
                         gsum_value=float(temp.sum()))
         yield hist
 
-        share = _gauge("kvtier_tier_access_share")
+        share = _gauge("kvtier_tier_access_ratio")
         total = float(temp.sum())
         by_temp, _ = _group_sum(cols["tier"], temp)
         for t in sorted(set(range(len(names))) | set(by_temp)):
             share.add_metric([_tier_name(names, t)], by_temp.get(t, 0.0) / total if total > 0 else 0.0)
         yield share
 
-        # Hit ratio from client hints: needs DaemonStats.hint_tier_blocks
-        # (tier index -> hinted block accesses), counted when the hint arrives.
-        hits = getattr(self.stats, "hint_tier_blocks", None)
-        if hits is None:
-            return
+        # Hit ratio from client hints: DaemonStats.hint_tier_blocks (tier
+        # index -> hinted block accesses), counted when the hint arrives.
+        hits = self.stats.hint_tier_blocks
         acc, ratio = _counter("kvtier_hint_block_accesses"), _gauge("kvtier_tier_hit_ratio")
         all_hits = sum(hits.values())
         for t in sorted(set(range(len(names))) | set(hits)):
@@ -314,30 +315,27 @@ class Collector:
 
     def _migration_metrics(self, names) -> Iterator[Metric]:
         s = self.stats
-        blocks, nbytes = _counter("kvtier_migrations"), _counter("kvtier_migrated_bytes")
-        for (src, dst), n in sorted(s.migrations.items()):
-            blocks.add_metric([_tier_name(names, src), _tier_name(names, dst)], n)
-        for (src, dst), n in sorted(s.migrated_bytes.items()):
-            nbytes.add_metric([_tier_name(names, src), _tier_name(names, dst)], n)
-        fails = _counter("kvtier_migration_failures")
-        for (src, dst, why), n in sorted(s.migration_failures.items(), key=lambda kv: str(kv[0])):
+        blocks, nbytes = _counter("kvtier_migrated_blocks"), _counter("kvtier_migrated_bytes")
+        # Every ordered pair of tiers from the start (0 until a move), so a
+        # rate() panel does not go empty after a restart.
+        pairs = {(a, b) for a in range(len(names)) for b in range(len(names)) if a != b}
+        for (src, dst) in sorted(pairs | set(s.migrations) | set(s.migrated_bytes)):
+            labels = [_tier_name(names, src), _tier_name(names, dst)]
+            blocks.add_metric(labels, s.migrations.get((src, dst), 0))
+            nbytes.add_metric(labels, s.migrated_bytes.get((src, dst), 0))
+        # By errno name: the label values exist only once a failure happened
+        # (docs/metrics.md: use `or vector(0)`).
+        fails = _counter("kvtier_migration_failed_pages")
+        for (src, dst, why), n in sorted(s.migration_failed_pages.items(), key=lambda kv: str(kv[0])):
             fails.add_metric([_tier_name(names, src), _tier_name(names, dst), str(why)], n)
         yield from (blocks, nbytes, fails)
-        yield _histogram("kvtier_migration_duration_seconds", getattr(s, "migration_seconds_hist", None),
-                         fallback_sum=getattr(s, "migration_seconds_sum", 0.0))
+        yield _histogram("kvtier_migration_duration_seconds", s.migration_seconds_hist)
         yield _histogram("kvtier_prefetch_duration_seconds", s.prefetch_seconds_hist)
         yield _histogram("kvtier_release_duration_seconds", s.release_seconds_hist)
 
     def _tick_metrics(self) -> Iterator[Metric]:
         s = self.stats
-        h = getattr(s, "tick_seconds_hist", None)
-        if h is not None:
-            yield _histogram("kvtier_tick_duration_seconds", h)
-        else:
-            # Until DaemonStats keeps tick buckets: count and sum only (a
-            # histogram with just +Inf), which still gives the mean by rate().
-            yield _histogram("kvtier_tick_duration_seconds", None, fallback_sum=s.tick_seconds_sum,
-                             fallback_count=s.ticks_total)
+        yield _histogram("kvtier_tick_duration_seconds", s.tick_seconds_hist)
         yield GaugeMetricFamily("kvtier_tick_last_duration_seconds", METRICS["kvtier_tick_last_duration_seconds"][2],
                                 value=s.tick_seconds_last)
         for name, value in (("kvtier_ticks", s.ticks_total), ("kvtier_tick_errors", s.tick_errors_total),
@@ -374,7 +372,7 @@ class Collector:
             fam.add_metric(["error"], err)
             yield fam
         topo = _counter("kvtier_topology_events")
-        events = getattr(s, "topology_events", {})
+        events = s.topology_events
         # Every event gets a sample (0 until it happens) so alerts can use increase().
         for event in ("tier_added", "tier_removed", "rediscovered", "rediscover_failed"):
             topo.add_metric([event], events.get(event, 0))
@@ -390,8 +388,9 @@ class Collector:
         yield CounterMetricFamily("kvtier_connections_timed_out", METRICS["kvtier_connections_timed_out"][2],
                                   value=s.connections_timed_out)
         req, err = _counter("kvtier_requests"), _counter("kvtier_request_errors")
-        for op, n in sorted(s.requests.items()):
-            req.add_metric([str(op)], n)
+        # Every op of the protocol from the start; error codes appear when sent.
+        for op in sorted(set(protocol.OPS) | set(s.requests)):
+            req.add_metric([str(op)], s.requests.get(op, 0))
         for (op, code), n in sorted(s.errors.items()):
             err.add_metric([str(op), str(code)], n)
         yield req
@@ -399,20 +398,23 @@ class Collector:
 
     def _source_metrics(self) -> Iterator[Metric]:
         fam = _gauge("kvtier_hotness_source_active")
-        if self.sources is not None:
-            for name, active, reason in self.sources():
-                fam.add_metric([name, reason or ""], 1 if active else 0)
+        # Client hints need no source object and are always accepted.
+        fam.add_metric([HINT_SOURCE, HINT_REASON], 1)
+        status = list(self.sources()) if self.sources is not None else []
+        for name, active, reason in status:
+            fam.add_metric([name, reason or ""], 1 if active else 0)
         yield fam
         s = self.stats
+        active = [name for name, on, _ in status if on]
         cpu = _counter("kvtier_source_cpu_seconds")
-        for name, v in sorted(s.source_cpu_seconds.items()):
-            cpu.add_metric([name, "daemon"], v)
+        for name in sorted(set(active) | set(s.source_cpu_seconds)):
+            cpu.add_metric([name, "daemon"], s.source_cpu_seconds.get(name, 0.0))
         for name, v in sorted(s.source_kernel_seconds.items()):
             cpu.add_metric([name, "kernel"], v)
         yield cpu
         slow = _gauge("kvtier_source_slowdown")
-        for name, v in sorted(s.source_slowdown.items()):
-            slow.add_metric([name], v)
+        for name in sorted(set(active) | set(s.source_slowdown)):
+            slow.add_metric([name], s.source_slowdown.get(name) or 1)  # 1 = every tick, until backed off
         yield slow
 
 
@@ -426,13 +428,9 @@ def _counter(name: str) -> CounterMetricFamily:
     return CounterMetricFamily(name, doc, labels=labels)
 
 
-def _histogram(name: str, h: Histogram | None, *, fallback_sum: float = 0.0,
-               fallback_count: int | None = None) -> HistogramMetricFamily:
+def _histogram(name: str, h: Histogram) -> HistogramMetricFamily:
     fam = HistogramMetricFamily(name, METRICS[name][2])
-    if h is not None:
-        fam.add_metric([], h.buckets(), sum_value=h.sum)
-    else:
-        fam.add_metric([], [("+Inf", int(fallback_count or 0))], sum_value=float(fallback_sum))
+    fam.add_metric([], h.buckets(), sum_value=h.sum)
     return fam
 
 

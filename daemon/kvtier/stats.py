@@ -98,7 +98,7 @@ class DaemonStats:
     ticks_skipped_busy: int = 0  # act phase skipped: previous migration still running
     migrations: collections.Counter = field(default_factory=collections.Counter)  # (src, dst) -> blocks
     migrated_bytes: collections.Counter = field(default_factory=collections.Counter)  # (src, dst) -> bytes
-    migration_failures: collections.Counter = field(default_factory=collections.Counter)  # (src, dst, errno) -> n
+    migration_failed_pages: collections.Counter = field(default_factory=collections.Counter)  # (src, dst, errno) -> pages
     migration_seconds_sum: float = 0.0
     migration_seconds_hist: Histogram = field(default_factory=lambda: Histogram(MIGRATION_BUCKETS))
     # tier_added, tier_removed, rediscovered, rediscover_failed (kernel/uevents.TopologyFollower)

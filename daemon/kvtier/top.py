@@ -168,9 +168,9 @@ def render(sample: Sample, prev: Sample | None = None, width: int = 100, height:
 
     # -- migrations
     moved = _pairs(stats.get("migrated_bytes", {}))
-    fails = _pairs(stats.get("migration_failures", {}))
+    fails = _pairs(stats.get("migration_failed_pages", {}))
     rate = _delta(moved, _pairs(pstats.get("migrated_bytes", {})) if pstats else None)
-    fail_rate = _delta(fails, _pairs(pstats.get("migration_failures", {})) if pstats else None)
+    fail_rate = _delta(fails, _pairs(pstats.get("migration_failed_pages", {})) if pstats else None)
     lines.append("MIGRATIONS" + (f" (last {dt:.1f} s)" if prev else " (totals; rates from the next frame)"))
     if not moved and not fails:
         lines.append("  none yet")

@@ -63,7 +63,7 @@ def moved_table(timeline: list[dict], meta: dict, metrics: dict) -> list[tuple[s
     if metrics.get("kvtier_migrated_bytes_total"):
         for labels, v in metrics["kvtier_migrated_bytes_total"]:
             nbytes[(labels["src"], labels["dst"])] = int(v)
-        for labels, v in metrics.get("kvtier_migrations_total", []):
+        for labels, v in metrics.get("kvtier_migrated_blocks_total", []):
             blocks[(labels["src"], labels["dst"])] = int(v)
     elif timeline:
         # No final scrape: the daemon's stats as the workload last saw them.
@@ -77,7 +77,7 @@ def moved_table(timeline: list[dict], meta: dict, metrics: dict) -> list[tuple[s
 
 def failures(metrics: dict) -> list[tuple[str, str, str, int]]:
     return [(lb["src"], lb["dst"], lb["reason"], int(v))
-            for lb, v in metrics.get("kvtier_migration_failures_total", []) if v]
+            for lb, v in metrics.get("kvtier_migration_failed_pages_total", []) if v]
 
 
 def residency_series(timeline: list[dict]) -> tuple[np.ndarray, np.ndarray]:

@@ -275,7 +275,7 @@ class Workload:
                            for x in np.unique(now_where)},
             "tier_bytes": {d["name"]: d["kvtier_bytes"] for d in daemon_tiers},
             "migrated_bytes": stats.get("migrated_bytes", {}),
-            "migration_failures": stats.get("migration_failures", {}),
+            "migration_failed_pages": stats.get("migration_failed_pages", {}),
         }
         timeline.write(json.dumps(rec) + "\n")
         timeline.flush()

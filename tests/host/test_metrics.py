@@ -137,7 +137,7 @@ def test_metrics_follow_registration_hints_and_migrations(kvtierd):
         assert m.value("kvtier_tier_blocks", tier="swap") == 13
         assert m.value("kvtier_tenant_tier_bytes", tenant="team-a", tier="dram") == 3 * BLOCK
         assert m.value("kvtier_region_tier_bytes", name="pool", tier="swap") == 13 * BLOCK
-        out_blocks = m.value("kvtier_migrations_total", src="dram", dst="swap")
+        out_blocks = m.value("kvtier_migrated_blocks_total", src="dram", dst="swap")
         assert out_blocks >= 13
         assert m.value("kvtier_migrated_bytes_total", src="dram", dst="swap") == out_blocks * BLOCK
         assert m.value("kvtier_migration_duration_seconds_count") >= 1
@@ -149,7 +149,7 @@ def test_metrics_follow_registration_hints_and_migrations(kvtierd):
         assert m.value("kvtier_ticks_total") >= 1
         assert m.value("kvtier_tick_duration_seconds_count") == m.value("kvtier_ticks_total")
         # The hot blocks hold nearly all the recent accesses and sit in DRAM.
-        assert m.value("kvtier_tier_access_share", tier="dram") > 0.9
+        assert m.value("kvtier_tier_access_ratio", tier="dram") > 0.9
         assert m.value("kvtier_block_temperature_gcount") == 16
         assert list(region.query()[:3]) == [0, 0, 0]
 
@@ -162,7 +162,7 @@ def test_metrics_follow_registration_hints_and_migrations(kvtierd):
             return s if list(region.query()[10:13]) == [0, 0, 0] else None
 
         m = wait_for(settled_in, "the new hot blocks to be paged in")
-        assert m.value("kvtier_migrations_total", src="swap", dst="dram") >= 3
+        assert m.value("kvtier_migrated_blocks_total", src="swap", dst="dram") >= 3
         assert m.value("kvtier_migrated_bytes_total", src="swap", dst="dram") >= 3 * BLOCK
         assert m.value("kvtier_tier_bytes", tier="dram") <= DRAM_BUDGET
         # Phase 1's hints all found their blocks in DRAM once settled;

@@ -14,7 +14,6 @@ import os
 import socket
 import subprocess
 import sys
-import textwrap
 import threading
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import kvtier
 from kvtier import cli
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from waiting import wait_for  # noqa: E402
+from kvtierd import Kvtierd  # noqa: E402
 
 PY = sys.executable
 BIN = Path(PY).parent
@@ -45,38 +44,9 @@ def no_traceback(r: subprocess.CompletedProcess) -> None:
 
 @pytest.fixture(scope="module")
 def kvtierd(tmp_path_factory):
-    d = tmp_path_factory.mktemp("kvtierd")
-    sock = d / "kvtierd.sock"
-    conf = d / "kvtierd.toml"
-    conf.write_text(textwrap.dedent(f"""\
-        [daemon]
-        socket = "{sock}"
-        state_file = ""
-        tick_interval = 0.05
-        socket_mode = 0o666
-        dry_run = true
-        [metrics]
-        enabled = false
-        """))
-    log = open(d / "kvtierd.log", "wb")
-    proc = subprocess.Popen([PY, "-m", "kvtier.daemon", "-c", str(conf)], stdout=log, stderr=log)
-    log.close()
-
-    def up():
-        assert proc.poll() is None, (d / "kvtierd.log").read_text()
-        s = socket.socket(socket.AF_UNIX)
-        try:
-            s.connect(str(sock))
-            return True
-        except OSError:
-            return False
-        finally:
-            s.close()
-
-    wait_for(up, "kvtierd to listen", timeout=TIMEOUT, interval=0.05)
-    yield str(sock)
-    proc.terminate()
-    proc.wait(TIMEOUT)
+    d = Kvtierd(tmp_path_factory.mktemp("kvtierd"), "[metrics]\nenabled = false\n")
+    yield d.sock
+    d.stop()
 
 
 # -- --version --------------------------------------------------------------

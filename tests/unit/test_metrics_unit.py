@@ -99,25 +99,25 @@ def test_migrations_failures_and_flags(daemon_state):
     stats.migrations[(0, 1)] += 3
     stats.migrated_bytes[(0, 1)] += 6 * MIB
     stats.migrations[(1, 0)] += 1
-    stats.migration_failures[(0, 1, "EBUSY")] += 7
+    stats.migration_failed_pages[(0, 1, "EBUSY")] += 7
     reg.table.flags[0] |= F_UNMOVABLE
     v = collect(stats, reg, topo).get_sample_value
-    assert v("kvtier_migrations_total", {"src": "dram", "dst": "swap"}) == 3
-    assert v("kvtier_migrations_total", {"src": "swap", "dst": "dram"}) == 1
+    assert v("kvtier_migrated_blocks_total", {"src": "dram", "dst": "swap"}) == 3
+    assert v("kvtier_migrated_blocks_total", {"src": "swap", "dst": "dram"}) == 1
     assert v("kvtier_migrated_bytes_total", {"src": "dram", "dst": "swap"}) == 6 * MIB
-    assert v("kvtier_migration_failures_total", {"src": "dram", "dst": "swap", "reason": "EBUSY"}) == 7
+    assert v("kvtier_migration_failed_pages_total", {"src": "dram", "dst": "swap", "reason": "EBUSY"}) == 7
     assert v("kvtier_blocks_unmovable") == 1
 
 
-def test_hint_hits_and_access_share(daemon_state):
+def test_hint_hits_and_access_ratio(daemon_state):
     stats, reg, topo, (r0, r1) = daemon_state
     t = reg.table
     t.tier[:] = 1
     t.tier[t.slices[r0.id].start] = 0
     reg.hint(r0.id, np.array([0, 0, 0, 1], dtype=np.uint32), None)  # 3 reads of a DRAM block, 1 of swap
     v = collect(stats, reg, topo).get_sample_value
-    assert v("kvtier_tier_access_share", {"tier": "dram"}) == pytest.approx(0.75)
-    assert v("kvtier_tier_access_share", {"tier": "swap"}) == pytest.approx(0.25)
+    assert v("kvtier_tier_access_ratio", {"tier": "dram"}) == pytest.approx(0.75)
+    assert v("kvtier_tier_access_ratio", {"tier": "swap"}) == pytest.approx(0.25)
     assert v("kvtier_hinted_blocks_total") == 4
     if not hasattr(stats, "hint_tier_blocks"):
         # The true hit counter needs DaemonStats to count hint hits per tier.
@@ -280,3 +280,102 @@ def test_access_ages_by_tier_and_tenant(daemon_state):
     clock.t += 200.0
     v = collect(stats, reg, topo).get_sample_value
     assert v("kvtier_access_age_bytes", {"tier": "dram", "tenant": "alice", "age": "2-10m"}) == 4 * MIB
+
+
+# -- a real scrape of a freshly started kvtierd ------------------------------
+
+# Documented series that cannot have a sample before something happened:
+# their label values are tenants, regions, errno names or error codes.
+EMPTY_AT_START = {
+    "kvtier_migration_failed_pages_total": "errno names appear with the first failure",
+    "kvtier_request_errors_total": "(op, code) pairs appear with the first error",
+    "kvtier_tenant_tier_bytes": "no tenant has blocks yet",
+    "kvtier_region_tier_bytes": "no region registered yet",
+    "kvtier_access_age_bytes": "no tenant has blocks yet",
+}
+
+
+def _documented() -> set[str]:
+    doc = (REPO / "docs" / "metrics.md").read_text()
+    return set(re.findall(r"^\| `(kvtier_[a-z_]+)` \|", doc, re.M))
+
+
+def _sample_base(name: str) -> str:
+    for suffix in ("_bucket", "_gcount", "_gsum", "_count", "_sum", "_created"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+@pytest.fixture(scope="module")
+def fresh_scrape(tmp_path_factory):
+    """The exposition of a kvtierd that just started: nothing registered,
+    no request but our own connection check, no migration."""
+    import sys
+    import urllib.request
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from kvtierd import Kvtierd, free_port
+    from waiting import wait_for
+
+    port = free_port()
+    d = Kvtierd(tmp_path_factory.mktemp("kvtierd-metrics"),
+                f'[metrics]\nenabled = true\naddress = "127.0.0.1"\nport = {port}\n')
+
+    def scrape():
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                return r.read().decode()
+        except OSError:
+            return None
+
+    try:
+        yield wait_for(scrape, "the metrics endpoint", timeout=60, interval=0.1)
+    finally:
+        d.stop()
+
+
+def test_every_documented_series_exists_at_start(fresh_scrape):
+    fams = {f.name: f for f in text_string_to_metric_families(fresh_scrape)}
+    samples: dict[str, list] = {}
+    for f in fams.values():
+        for s in f.samples:
+            samples.setdefault(_sample_base(s.name), []).append(s)
+    tiers = [s.labels["tier"] for s in samples["kvtier_tier_info"]]
+    # A machine with one tier (DRAM, no swap) has no tier pair to migrate between.
+    one_tier = {"kvtier_migrated_blocks_total", "kvtier_migrated_bytes_total"} if len(tiers) < 2 else set()
+    missing = []
+    for name in sorted(_documented()):
+        if name in EMPTY_AT_START or name in one_tier:
+            continue
+        if not samples.get(name) and not samples.get(name.removesuffix("_total")):
+            missing.append(name)
+    assert not missing, f"documented but no series at start: {missing}"
+    assert "kvtier_start_time_seconds" not in samples  # process_start_time_seconds is the one
+    assert samples.get("process_start_time_seconds")
+
+
+def _values(scrape: str, name: str) -> list[tuple[dict, float]]:
+    return [(s.labels, s.value) for f in text_string_to_metric_families(scrape) for s in f.samples
+            if s.name == name]
+
+
+def test_labelled_counters_start_at_zero_with_config_names(fresh_scrape):
+    from kvtier import protocol
+    from kvtier.kernel import sources
+
+    tiers = [lb["tier"] for lb, _ in _values(fresh_scrape, "kvtier_tier_info")]
+    assert tiers and tiers[0] == "dram"
+    pairs = {(lb["src"], lb["dst"]): v for lb, v in _values(fresh_scrape, "kvtier_migrated_blocks_total")}
+    assert pairs == {(a, b): 0.0 for a in tiers for b in tiers if a != b}
+    assert {(lb["src"], lb["dst"]) for lb, _ in _values(fresh_scrape, "kvtier_migrated_bytes_total")} == set(pairs)
+    ops = {lb["op"] for lb, _ in _values(fresh_scrape, "kvtier_requests_total")}
+    assert ops == set(protocol.OPS)
+    active = {lb["source"]: v for lb, v in _values(fresh_scrape, "kvtier_hotness_source_active")}
+    assert active["hint"] == 1.0
+    assert set(active) == {"hint", *sources.SECTIONS}  # the [hotness.<name>] tables, not "access_bit"
+    for name in ("kvtier_hint_block_accesses_total", "kvtier_tier_hit_ratio", "kvtier_tier_access_ratio"):
+        assert {lb["tier"] for lb, _ in _values(fresh_scrape, name)} >= set(tiers), name
+    ratios = [f.name for f in text_string_to_metric_families(fresh_scrape)
+              if f.name.startswith("kvtier_") and ("share" in f.name or "fraction" in f.name)]
+    assert not ratios, f"ratios end in _ratio: {ratios}"

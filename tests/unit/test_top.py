@@ -42,7 +42,7 @@ def sample(t, migrated, failures=None, hits=None, regions=None):
         "regions": 8, "processes": 2, "blocks": 128, "registered_bytes": 256 * MIB,
         "block_hints_total": 208, "ticks_total": 16, "tick_seconds_last": 0.0005317970001215144,
         "tick_errors_total": 0, "migrations": {}, "migrated_bytes": migrated,
-        "migration_failures": failures or {}, "uptime_s": 15.2,
+        "migration_failed_pages": failures or {}, "uptime_s": 15.2,
     }
     if hits is not None:
         stats["hint_tier_blocks"] = hits

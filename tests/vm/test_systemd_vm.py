@@ -223,7 +223,7 @@ def test_hardened_unit_migrates_to_far_and_cxl_and_pages_out_to_nvme_swap(runnin
             # sandbox would be counted here).
             wait_for(lambda: list(region.query()) == [far, cxl, swap, 0], "the daemon's tiers of the blocks")
             stats = kv.stats()
-            assert stats["migration_failures"] == {}, stats["migration_failures"]
+            assert stats["migration_failed_pages"] == {}, stats["migration_failed_pages"]
             for tier in (far, cxl, swap):
                 assert stats["migrations"].get(f"0:{tier}", 0) >= 1, stats["migrations"]
     assert kv_pool.sum(dtype=np.uint64) == before  # bytes survive the round trip (swap-in on read)
