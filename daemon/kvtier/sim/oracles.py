@@ -7,9 +7,10 @@ its per-tick time budget. What it has that no online policy has is the
 future: before each tick it knows when every block will be read next (and
 how much), and which blocks the next tick allocates. It keeps DRAM for the
 blocks read soonest (farthest next use is evicted first, Belady's rule):
-first it makes room for the next tick's allocations, then exchanges a CXL
-block for a DRAM one where the CXL block is read sooner, and with the time
-left it moves out every resident not read within the next minute. It is a real
+it makes room for the next tick's allocations, promotes into free room,
+moves out every resident not read within the next minute (room for the
+allocations to come), and with the time left exchanges a CXL block for a
+DRAM one where the CXL block is read sooner. It is a real
 target: a policy that approaches it cannot be doing much better with the
 same machine. It is not proven optimal under a bandwidth limit (a budgeted
 placement problem has no known greedy optimum), so an online policy could in
@@ -97,12 +98,14 @@ class FeasibleOracle(SimPolicy):
         1. room for the next tick's allocations (they land in DRAM only if it
            has room), evicting the residents read farthest in the future;
         2. promotions of slower blocks read soon, into room beyond what the
-           coming allocations need, else in exchange for a resident read later;
-        3. with the migrator time left, every resident not read within
-           ``LOOKAHEAD_S`` leaves: room for the allocations to come (when new
+           coming allocations need;
+        3. every resident not read within ``LOOKAHEAD_S`` leaves: room for the
+           allocations to come, one move per new block kept in DRAM (when new
            blocks arrive faster than the migrator moves, DRAM fills however
-           late one starts, so the earlier the better).
-        The migrator stops where its time runs out, so 3 goes first."""
+           late one starts, so the earlier the better);
+        4. exchanges of a slower block for a resident read later (two moves
+           for one block).
+        The migrator stops where its time runs out, so 4 goes first."""
         eng = self.eng
         k = eng.k
         fut = eng.future
@@ -129,17 +132,23 @@ class FeasibleOracle(SimPolicy):
         # 1. the next tick's allocations (read in that tick: key < k + 2)
         n1 = int(min(max(0, alloc1 - free), np.count_nonzero(vk >= k + 2)))
         free += n1
-        # 2. promotions: free room beyond the coming allocations, then exchanges
+        # 2. promotions into free room beyond what the coming allocations need
         f = int(min(max(0, free - allocw), cand.size))
-        rest, vrest = cand[f:], victims[n1:]
+        # 3. room for the allocations to come: every resident not read within
+        # the horizon, farthest first (one move each buys a new block's reads)
+        v3 = victims[n1:]
+        n3 = int(np.count_nonzero(key[v3] >= k + 1 + horizon))
+        # ... and what that room holds beyond the coming allocations takes promotions
+        f2 = int(min(max(0, free + n3 - allocw - f), cand.size - f))
+        # 4. exchanges while the slower block is read sooner (two moves each)
+        rest, vrest = cand[f + f2 :], v3[n3:]
         m = min(rest.size, vrest.size)
         better = key[rest[:m]] < key[vrest[:m]]
         npair = m if better.all() else int(np.argmin(better))
-        # 3. room for the allocations of the horizon, evicting what is read after it
-        v3 = victims[n1 + npair :]
-        n3 = int(np.count_nonzero(key[v3] >= k + 1 + horizon))
-        parts = [victims[:n1], cand[:f], np.column_stack([vrest[:npair], rest[:npair]]).ravel(), v3[:n3]]
-        downs = [np.ones(n1, bool), np.zeros(f, bool), np.tile(np.array([True, False]), npair), np.ones(n3, bool)]
+        parts = [victims[:n1], cand[:f], v3[:n3], cand[f : f + f2],
+                 np.column_stack([vrest[:npair], rest[:npair]]).ravel()]
+        downs = [np.ones(n1, bool), np.zeros(f, bool), np.ones(n3, bool), np.zeros(f2, bool),
+                 np.tile(np.array([True, False]), npair)]
         rows = np.concatenate(parts)
         if rows.size == 0:
             return empty
