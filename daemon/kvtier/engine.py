@@ -3,17 +3,17 @@
 Each tick, on the event-loop thread (where the registry lives, so no locks):
   1. age temperatures, refresh tier free memory, drop regions of dead
      processes the pidfds missed;
-  2. mark stale the blocks whose placement may have changed: hinted (or
-     observed) while not present or not yet measured;
-  3. move: if the mover thread is idle and anything changed since the last
+  2. move: if the mover thread is idle and anything changed since the last
      plan (hints, observations, measurements, registrations, moves done; or
      IDLE_REPLAN_S passed), plan over the blocks whose tier is known, add
      operator moves (kvtierctl migrate) and hand the moves to the mover;
-  4. measure: if the measuring thread is idle, hand it the stale blocks
-     (all of their pages) and the next slice of a rotating sample (a window
+  3. measure: if the measuring thread is idle, hand it the stale blocks
+     (F_STALE: hinted or observed while not present, a failed move, a
+     sample that disagreed; the registry and the collector mark them)
+     whole, and the next slice of a rotating sample (a window
      of ``residency_sample_pages`` pages per block), together at most
      ``residency_pages_per_s`` pages per second;
-  5. collect: if the collecting thread is idle, hand it the hotness sources
+  4. collect: if the collecting thread is idle, hand it the hotness sources
      that are due (each at its own pace: a source over its CPU budget is
      collected, and where it can sampled, less often).
 
@@ -70,6 +70,8 @@ URGENT_JOB_PAGES = 1 << 20
 # thousand page queries: well under a millisecond), so a small table is
 # sampled whole every tick and a new region's touched blocks are found at once.
 MIN_SAMPLE_BLOCKS = 1024
+# Rows per step when looking for stale blocks (stops once enough are found).
+STALE_SCAN_CHUNK = 1 << 16
 # A source over its CPU budget is collected (and sampled) 2, 4, ... up to
 # this many times more slowly.
 MAX_SLOWDOWN = 64
@@ -226,8 +228,6 @@ class Engine:
         self._plan_hints = -1
         self._plan_gen = -1
         self._last_plan = -math.inf
-        self._stale_hints = 0  # block_hints_total when stale blocks were last looked for
-        self._stale_scan_at = -math.inf
         # measuring: the rotating sample's cursor, the stale blocks' cursor, the budget clock
         self._cursor = 0
         self._stale_cursor = 0
@@ -529,7 +529,6 @@ class Engine:
             self.manual.clear()
             self.scheduled.clear()
             return
-        self._mark_stale(now)
         if self.mover.busy:
             self.stats.ticks_skipped_busy += 1
         else:
@@ -564,21 +563,6 @@ class Engine:
             finish(job)
 
         fut.add_done_callback(lambda f: loop.call_soon_threadsafe(done, f))
-
-    def _mark_stale(self, now: float) -> None:
-        """Blocks hinted since the last look that are not present or not
-        measured get F_STALE: their pages may have appeared. One vectorised
-        pass, and only in ticks that saw hints."""
-        hints = self.stats.block_hints_total
-        if hints == self._stale_hints:
-            self._stale_scan_at = now
-            return
-        t = self.table
-        recent = t.last_access > self._stale_scan_at
-        unsure = ((t.flags & np.uint8(F_NOT_PRESENT)) != 0) | (t.tier < 0)
-        t.flags[recent & unsure] |= np.uint8(F_STALE)
-        self._stale_hints = hints
-        self._stale_scan_at = now
 
     # -- move --------------------------------------------------------------
 
@@ -758,7 +742,9 @@ class Engine:
         #    the budget so the rotating sample always advances
         full_rows = np.zeros(0, dtype=np.int64)
         # engine-mode blocks have no pages: their owners report their tiers
-        stale = np.flatnonzero((t.flags & np.uint8(F_STALE | F_ENGINE)) == F_STALE)
+        cap = budget if urgent else 0.75 * budget
+        # Every block has at least one page: no more than cap + 1 of them fit.
+        stale, complete = self._stale_rows(int(cap) + 1)
         if stale.size and self.migrator.dry_run:
             # A dry run pretends its moves: measuring a placed block would see
             # the real pages and undo the pretence. Only unplaced ones count.
@@ -766,15 +752,12 @@ class Engine:
             t.flags[placed] &= np.uint8(~F_STALE & 0xFF)
             stale = stale[t.tier[stale] < 0]
         if stale.size:
-            k0 = int(np.searchsorted(stale, self._stale_cursor))
-            stale = np.concatenate([stale[k0:], stale[:k0]])
             pages = (t.nbytes[stale].astype(np.int64) + ps - 1) // ps
-            cap = budget if urgent else 0.75 * budget
             k = max(1, int(np.searchsorted(np.cumsum(pages), cap, side="right")))
             full_rows = stale[:k]
             self._stale_cursor = int(full_rows[-1]) + 1
             budget -= float(pages[:k].sum())
-            if urgent and k == stale.size:
+            if urgent and complete and k == stale.size:
                 self._urgent = False
         elif urgent:
             self._urgent = False
@@ -823,6 +806,28 @@ class Engine:
             addr=addr, nbytes=nbytes, full=full, window=window, lut=topo.node_tier_lut(),
             ntiers=len(topo.tiers), swap_index=None if swap is None else swap.index, started=now,
         )
+
+    def _stale_rows(self, want: int) -> tuple[np.ndarray, bool]:
+        """Up to ``want`` F_STALE rows from the stale cursor on (wrapping once),
+        and whether the whole table was scanned for them. Scans in chunks
+        and stops when it has enough: with many stale blocks (a hint storm
+        over never-touched ones) that is a small part of the table."""
+        flags = self.table.flags
+        n = flags.size
+        if n == 0 or want <= 0:
+            return np.zeros(0, dtype=np.int64), True
+        pos = self._stale_cursor % n
+        parts, got, scanned = [], 0, 0
+        while scanned < n and got < want:
+            end = min(n, pos + min(STALE_SCAN_CHUNK, n - scanned))
+            part = flags[pos:end] & np.uint8(F_STALE | F_ENGINE)
+            idx = np.flatnonzero(part == np.uint8(F_STALE))[: want - got] + pos
+            parts.append(idx)
+            got += idx.size
+            scanned += end - pos
+            pos = end % n
+        rows = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        return rows.astype(np.int64, copy=False), scanned >= n and got < want
 
     def _run_measure(self, job: MeasureJob) -> None:
         t0 = time.monotonic()

@@ -29,6 +29,7 @@ from kvtier.blocks import (
     F_ENGINE,
     F_NEVER_SWAP,
     F_NOT_PRESENT,
+    F_STALE,
     F_UNMOVABLE,
     BlockTable,
 )
@@ -343,6 +344,11 @@ class Registry:
             raise InvalidArgument(f"counts has {counts.size} entries, blocks {blocks.size}")
         self.temperature.add(self.table, rows, 1.0 if counts is None else counts, self.clock(),
                              SOURCE_WEIGHTS["hint"])
+        # A hinted block not yet seen present may have just been written:
+        # F_STALE has the engine measure it (work per hint, not per tick).
+        t = self.table
+        unsure = rows[((t.flags[rows] & np.uint8(F_NOT_PRESENT)) != 0) | (t.tier[rows] < 0)]
+        t.flags[unsure] |= np.uint8(F_STALE)
         n = int(blocks.size)
         if self.recorder is not None:
             self.recorder.hint(region_id, blocks, counts)
