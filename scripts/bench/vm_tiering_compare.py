@@ -214,7 +214,7 @@ class Kvtierd:
         from kvtier.client import Client
 
         with Client(str(self.sock)) as c:
-            return c.request("status").get("sources", {})
+            return c.request("status").get("engine", {}).get("sources", {})
 
     def stop(self) -> str:
         self.proc.send_signal(15)
