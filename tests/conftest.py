@@ -106,9 +106,7 @@ class GuestRun:
     _ended: float = 0.0  # host time.time() when the guest run ended
     _hard_deadline: float = 0.0
 
-    def command(self, rootdir: Path) -> list[str]:
-        timeout = float(os.environ.get("KVTIER_VM_TIMEOUT", BASE_TIMEOUT + PER_TEST_TIMEOUT * len(self.nodeids)))
-        max_timeout = float(os.environ.get("KVTIER_VM_MAX_TIMEOUT", MAX_TIMEOUT))
+    def command(self, rootdir: Path, timeout: float, max_timeout: float) -> list[str]:
         guest_cmd = [
             sys.executable, "-m", "pytest", "-m", self.mode, "-v", "-p", "no:cacheprovider",
             # Importing these two plugins over 9p under TCG costs ~13 s of a
@@ -128,10 +126,12 @@ class GuestRun:
         self.status, self.reason = "crash", "the harness failed before the guest reported"
         self.share = Path(tempfile.mkdtemp(prefix=f"kvtier-{self.mode}-"))
         self._reader = StreamReader(self.share / RESULTS_FILE)
-        cmd = self.command(rootdir)
-        # run.py bounds the guest itself; this only guards against run.py hanging.
-        self._hard_deadline = time.monotonic() + float(cmd[cmd.index("--max-timeout") + 1]) + 120
+        timeout = float(os.environ.get("KVTIER_VM_TIMEOUT", BASE_TIMEOUT + PER_TEST_TIMEOUT * len(self.nodeids)))
+        max_timeout = float(os.environ.get("KVTIER_VM_MAX_TIMEOUT", MAX_TIMEOUT))
+        cmd = self.command(rootdir, timeout, max_timeout)
         self._t0 = time.monotonic()
+        # run.py bounds the guest itself; this only guards against run.py hanging.
+        self._hard_deadline = self._t0 + max_timeout + 120
         with open(self.share / "run.out", "w") as out:
             self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
         self.status = "running"
