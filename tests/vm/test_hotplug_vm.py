@@ -35,9 +35,9 @@ import pytest
 
 from kvtier.client import Client
 from kvtier.kernel.migrator import Migrator
-from vmhelpers import CXL_NODE, NODE_DIR, KVChild, block_ranges, parse_list, read
+import vmhelpers
+from vmhelpers import CXL_NODE, NODE_DIR, KVChild, block_ranges, parse_list, read, scaled
 
-import waiting  # tests/waiting.py, on sys.path through vmhelpers
 
 pytestmark = pytest.mark.vm
 
@@ -51,7 +51,8 @@ SHARE = Path("/mnt/kvtier")  # scripts/vm/run.py's share: the host finds hotplug
 
 
 def wait_for(pred, what: str, timeout: float = DEADLINE, interval: float = 0.1):
-    return waiting.wait_for(pred, what, timeout=timeout, interval=interval)
+    # Quiet-host seconds, scaled by the guest's measured slowness (vmhelpers).
+    return vmhelpers.wait_for(pred, what, timeout=timeout, interval=interval)
 
 
 def node_blocks(node: int) -> list[str]:
@@ -132,7 +133,7 @@ class Daemon:
         self.client.close()
         self.proc.terminate()
         try:
-            self.proc.wait(timeout=60)
+            self.proc.wait(timeout=scaled(60))
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
