@@ -146,6 +146,16 @@ class PoolMemory:
         its node before the engine pins or reads it."""
         np.frombuffer(self.buffer, dtype=np.uint8)[:: mmap.PAGESIZE] = 0
 
+    def request(self, block_size: int, tier: str | int, pinned: bool, **fields: Any) -> protocol.Allocate:
+        return protocol.Allocate(start=self.addr, length=self.length, block_size=block_size, tier=str(tier),
+                                 pinned=pinned, **{k: (list(v) if k == "constraints" else v)
+                                                   for k, v in fields.items()})
+
+    def place(self, node: int, pinned: bool, populate: bool) -> None:
+        self.bind(node, strict=pinned)
+        if populate:
+            self.populate()
+
     def numpy(self, dtype: Any = np.uint8, shape: Any = None) -> np.ndarray:
         arr = np.frombuffer(self.buffer, dtype=dtype)
         return arr if shape is None else arr.reshape(shape)
@@ -298,6 +308,25 @@ class Region:
         self.client._regions.pop(self.id, None)
 
 
+def register_range(obj: Any, length: int | None, addr: int | None) -> tuple[int, int, Any]:
+    """(address, length, object to keep alive) of what ``register`` names."""
+    keep = None
+    if isinstance(obj, int):
+        addr, obj = obj, None
+    if obj is not None:
+        addr, n = buffer_address(obj)
+        length = n if length is None else length
+        keep = obj
+    if addr is None or length is None:
+        raise ValueError("register needs a buffer, or an address and a length")
+    return addr, length, keep
+
+
+def moved_mask(answer: Any, n: int) -> np.ndarray:
+    """An on_move callback's answer (True, False or one bool per block) as a mask."""
+    return np.broadcast_to(np.asarray(answer, dtype=bool), (n,)).copy()
+
+
 class EngineRegion(Region):
     """A mode-"engine" region: the daemon plans, the engine moves.
 
@@ -320,14 +349,16 @@ class EngineRegion(Region):
         src, dst = int(body["src"]), int(body["dst"])
         error = ""
         try:
-            r = self.on_move(blocks, src, dst)
-            ok = np.broadcast_to(np.asarray(r, dtype=bool), blocks.shape).copy()
+            ok = moved_mask(self.on_move(blocks, src, dst), blocks.size)
         except Exception as e:  # the engine's failure is the daemon's news, not ours to raise
             ok, error = np.zeros(blocks.size, dtype=bool), f"{type(e).__name__}: {e}"
+        return self._record(blocks, ok, dst), error
+
+    def _record(self, blocks: np.ndarray, ok: np.ndarray, dst: int) -> np.ndarray:
         self.tiers[blocks[ok]] = dst
         self.moves_done += int(ok.sum())
         self.moves_failed += int((~ok).sum())
-        return ok, error
+        return ok
 
 
 class Client:
@@ -640,15 +671,7 @@ class Client:
         pid: int | None = None,
     ) -> Region:
         """Register ``obj`` (a buffer-protocol object) or an address + length."""
-        keep = None
-        if isinstance(obj, int):
-            addr, obj = obj, None
-        if obj is not None:
-            addr, n = buffer_address(obj)
-            length = n if length is None else length
-            keep = obj
-        if addr is None or length is None:
-            raise ValueError("register needs a buffer, or an address and a length")
+        addr, length, keep = register_range(obj, length, addr)
         info = self.call(protocol.Register(
             start=addr, length=length, block_size=block_size, name=name, tenant=tenant,
             priority=priority, constraints=list(constraints), pid=pid,
@@ -683,17 +706,12 @@ class Client:
         mapped as long as the region or any view of it is alive.
         """
         mem = PoolMemory(int(nbytes))
-        info = self.call(protocol.Allocate(
-            start=mem.addr, length=mem.length, block_size=block_size, name=name, tenant=tenant,
-            priority=priority, constraints=list(constraints), tier=str(tier), pinned=pinned,
-        ))
-        region = Region(self, info, mem.addr, mem.length, mem)
+        info = self.call(mem.request(block_size, tier, pinned, name=name, tenant=tenant, priority=priority,
+                                     constraints=constraints))
+        region = self._regions[info["region"]] = Region(self, info, mem.addr, mem.length, mem)
         region.memory = mem
-        self._regions[region.id] = region
         try:
-            mem.bind(info["node"], strict=pinned)
-            if populate:
-                mem.populate()
+            mem.place(info["node"], pinned, populate)
         except BaseException:
             region.unregister()
             raise
