@@ -441,17 +441,21 @@ class _Tick:
     def __init__(self, snap, tiers: Sequence[TierState], cfg: PolicyConfig, state: PolicyState, now: float):
         self.tiers, self.cfg, self.now = tiers, cfg, now
         T = self.T = len(tiers)
-        tier = self.tier = snap["tier"].astype(np.int64)
+        tier = self.tier = snap["tier"]  # int8: compared and indexed, never widened
         flags = snap["flags"]
-        self.prio = snap["priority"].astype(np.int64)
+        self.prio = snap["priority"]
         self.tenant = snap["tenant"]
         self.eff = effective_temp(snap, cfg)
         # Equal temperatures (every block of a finished request is at 0 after
         # phase "free") rank by recency: the one read longest ago goes first,
         # as a later turn of a conversation comes back to what it read last.
         # The term is below any temperature a read leaves: it only breaks ties.
-        age = np.clip((now - snap["last_access"]) / _AGE_SPAN_S, 0.0, 1.0)
-        self.key = self.prio * _PRIO_SCALE + np.minimum(self.eff, _TEMP_CAP) - _AGE_TIE * age
+        age = np.minimum((now - snap["last_access"]) * (_AGE_TIE / _AGE_SPAN_S), _AGE_TIE)
+        key = np.minimum(self.eff, _TEMP_CAP)
+        key -= age
+        if self.prio.any():
+            key += self.prio * _PRIO_SCALE
+        self.key = key
         self.is_swap = _swap_tiers(tiers)
         nonswap = np.flatnonzero(~self.is_swap)
         self.slowest_mem = int(nonswap[-1]) if nonswap.size else T - 1

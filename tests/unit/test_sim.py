@@ -389,3 +389,15 @@ def test_cli_set_reaches_the_policy_and_refuses_unknown_keys(capsys):
     assert cli.main(["run", "--preset", "chat", "--accesses", "2000", "--policy", "kvtier",
                      "--set", "policy.nope=1"]) == 1
     assert "nope" in capsys.readouterr().err
+
+
+def test_belady_min_shortcut_agrees_with_the_full_search(monkeypatch):
+    import kvtier.sim.oracles as oracles
+
+    tr = small_trace()
+    for cap in (4096, 300, 40):  # shortcut taken, maybe, and surely not
+        fast = belady_min(tr, tiers_cfg(cap, 4096)).served
+        monkeypatch.setattr(oracles, "_min_if_nothing_is_evicted", lambda *a: None)
+        full = belady_min(tr, tiers_cfg(cap, 4096)).served
+        monkeypatch.undo()
+        assert fast == pytest.approx(full), cap

@@ -177,6 +177,11 @@ def belady_min(source, cfg, capacity_blocks: int | None = None):
     nu_r, nc_r, nu_a, _ = next_uses(ticks)
     c = int(eng.cap_blocks[0] if capacity_blocks is None else capacity_blocks)
     t0 = time.perf_counter()
+    fast = _min_if_nothing_is_evicted(ticks, nu_r, nu_a, c, eng.n)
+    if fast is not None:
+        hits, misses, fast_t, all_t = fast
+        wall = time.perf_counter() - t0
+        return _min_result(eng, cfg, hits, misses, len(ticks), wall, (fast_t, all_t), sum(t.rows.size for t in ticks))
     n = max(eng.n, 1)
     cached = np.zeros(n, bool)
     key = np.full(n, NEVER)
@@ -246,6 +251,40 @@ def belady_min(source, cfg, capacity_blocks: int | None = None):
         all_t[k] = float(tk.counts.sum())
     wall = time.perf_counter() - t0
     return _min_result(eng, cfg, hits, misses, len(ticks), wall, (fast_t, all_t), sum(t.rows.size for t in ticks))
+
+
+def _min_if_nothing_is_evicted(ticks, nu_r, nu_a, c, n):
+    """MIN's result without the per-read loop when the cache never has to
+    evict a block that is read again: if at no tick more than ``c`` blocks
+    are between a touch and their next read, MIN keeps every one of them and
+    misses exactly the reads of blocks neither allocated nor read before (one
+    miss each). Returns None when that does not hold (run the full loop)."""
+    k_n = len(ticks)
+    delta = np.zeros(k_n + 2)
+    for k, tk in enumerate(ticks):
+        for nu in (nu_r[k], nu_a[k]):
+            f = nu[np.isfinite(nu)].astype(np.int64)
+            delta[k] += f.size
+            np.add.at(delta, f, -1.0)
+    # a block read at tick k and next at j is held over ticks k..j-1, and a
+    # block whose next read is in this same tick (an allocation) too
+    if k_n and np.cumsum(delta)[:k_n].max() + max(t.alloc.size for t in ticks) > c:
+        return None
+    seen = np.zeros(max(n, 1), bool)
+    hits = misses = 0.0
+    fast_t, all_t = np.zeros(k_n), np.zeros(k_n)
+    for k, tk in enumerate(ticks):
+        seen[tk.evict] = False
+        seen[tk.alloc] = True
+        first = ~seen[tk.rows]
+        m = float(np.count_nonzero(first))
+        tot = float(tk.counts.sum())
+        misses += m
+        hits += tot - m
+        fast_t[k], all_t[k] = tot - m, tot
+        seen[tk.rows] = True
+        seen[tk.free] = False
+    return hits, misses, fast_t, all_t
 
 
 def _min_result(eng, cfg, hits, misses, nticks, wall, timeline, records):
