@@ -219,11 +219,11 @@ def test_cxl_region_comes_and_goes_under_a_running_kvtierd(tmp_path, cxl_removed
                  "kvtier's view to match the kernel's without the node")
         assert (d.block_tiers(region) >= 0).all()
         # Unpinned, the policy places the pool again, never towards node 2.
-        failures = dict(d.stats()["migration_failures"])
+        failures = dict(d.stats()["migration_failed_pages"])
         d.client.request("unpin", region=region)
         ticks = d.stats()["ticks_total"]
         wait_for(lambda: d.stats()["ticks_total"] >= ticks + 20, "20 more ticks")
-        assert d.stats()["migration_failures"] == failures
+        assert d.stats()["migration_failed_pages"] == failures
         assert CXL_NODE not in Migrator().residency(child.pid, *block_ranges(child, BLOCK)).dominant_node()
         log = d.log.read_text()
         assert "Traceback" not in log and "migration_batch_failed" not in log, log[-3000:]
