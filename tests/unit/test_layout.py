@@ -36,3 +36,19 @@ def test_core_imports_no_kernel_adapter(module):
 def test_stats_imports_no_prometheus_client():
     leaked = sorted(m for m in _loaded_after_import("kvtier.stats") if m.startswith("prometheus_client"))
     assert not leaked, f"kvtier.stats pulls in {leaked[:3]}"
+
+
+def test_no_one_letter_module_aliases():
+    """STYLE: names explain what (`from kvtier import protocol`, not `as P`).
+    numpy's `np` is the one alias every reader knows."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    bad = []
+    for path in [*root.glob("daemon/**/*.py"), *root.glob("tests/**/*.py"), *root.glob("scripts/**/*.py")]:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                bad += [f"{path.relative_to(root)}:{node.lineno} as {a.asname}" for a in node.names
+                        if a.asname and len(a.asname) == 1]
+    assert not bad, bad

@@ -18,8 +18,8 @@ import uuid
 
 import pytest
 
-from kvtier import config as C
-from kvtier import watch as W
+from kvtier import config
+from kvtier import watch
 from kvtier.blocks import BlockTable
 from kvtier.errors import ConfigError
 from kvtier.hotness import Temperature
@@ -33,7 +33,7 @@ MIB = 1 << 20
 
 
 def rules(*entries):
-    return W.parse_rules(C.from_dict({"watch": list(entries)}).watch)
+    return watch.parse_rules(config.from_dict({"watch": list(entries)}).watch)
 
 
 def proc(**kw):
@@ -41,7 +41,7 @@ def proc(**kw):
                 cmdline=["python3", "serve.py", "--model", "llama"], uid=1000, rss=4 << 30,
                 cgroup="/system.slice/vllm-a.service")
     base.update(kw)
-    return W.ProcInfo(**base)
+    return watch.ProcInfo(**base)
 
 
 @pytest.mark.parametrize("rule, info, want", [
@@ -88,9 +88,9 @@ def test_rule_names_default_and_must_be_unique():
 
 
 def test_tenant_from_rule_else_cgroup_leaf():
-    assert W.tenant_of(rules({"exe": "a", "tenant": "team-a"})[0], proc()) == "team-a"
-    assert W.tenant_of(rules({"exe": "a"})[0], proc()) == "vllm-a.service"
-    assert W.tenant_of(rules({"exe": "a"})[0], proc(cgroup="/")) == ""
+    assert watch.tenant_of(rules({"exe": "a", "tenant": "team-a"})[0], proc()) == "team-a"
+    assert watch.tenant_of(rules({"exe": "a"})[0], proc()) == "vllm-a.service"
+    assert watch.tenant_of(rules({"exe": "a"})[0], proc(cgroup="/")) == ""
 
 
 def _m(start, end, perms="rw-p", inode=0, path=""):
@@ -106,8 +106,8 @@ def test_adoptable_ranges_merge_split_vmas_and_keep_large_kv_memory():
         _m(0x4000_0000, 0x4800_0000, "rw-s", 99, "/dev/zero (deleted)"),  # MAP_SHARED anon
         _m(0x5000_0000, 0x5800_0000, "rw-p", 0, "[stack]"),
     ]
-    assert W.adoptable_ranges(maps, 64 * MIB) == [(0x1000_0000, 0x1800_0000), (0x4000_0000, 0x4800_0000)]
-    assert W.adoptable_ranges(maps, 129 * MIB) == []
+    assert watch.adoptable_ranges(maps, 64 * MIB) == [(0x1000_0000, 0x1800_0000), (0x4000_0000, 0x4800_0000)]
+    assert watch.adoptable_ranges(maps, 129 * MIB) == []
 
 
 def test_read_cgroup_prefers_the_unified_hierarchy(tmp_path):
@@ -170,7 +170,7 @@ def child():
 
 def make_watcher(tag: str, **rule):
     reg = Registry(BlockTable(), Limits(), DaemonStats(), Temperature(30.0), ProcProcesses("/proc"))
-    w = W.Watcher(rules({"cmdline": re.escape(tag), "min_mapping": 100 * MIB, "tenant": "t", **rule}),
+    w = watch.Watcher(rules({"cmdline": re.escape(tag), "min_mapping": 100 * MIB, "tenant": "t", **rule}),
                   reg, PsutilScanner("/proc"))
     return reg, w
 

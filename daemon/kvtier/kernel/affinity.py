@@ -19,7 +19,7 @@ import errno
 import os
 
 from kvtier.errors import ProcessGone
-from kvtier.kernel import sysfs as k
+from kvtier.kernel import sysfs
 
 STATUS_CPUS_ALLOWED = "Cpus_allowed_list"
 
@@ -32,7 +32,7 @@ def caller_cpus(pid: int, proc_root: str = "/proc") -> tuple[int, ...]:
             for line in f:
                 key, _, value = line.partition(":")
                 if key == STATUS_CPUS_ALLOWED:
-                    return tuple(k.parse_list(value.strip()))
+                    return tuple(sysfs.parse_list(value.strip()))
     except FileNotFoundError:
         raise ProcessGone(errno.ESRCH, f"read {path}", "process does not exist") from None
     return ()
@@ -41,9 +41,9 @@ def caller_cpus(pid: int, proc_root: str = "/proc") -> tuple[int, ...]:
 def movable_only_nodes(sys_root: str = "/sys") -> frozenset[int]:
     """Nodes whose memory is all ZONE_MOVABLE (empty when the kernel does not
     say: then no node is refused on that ground)."""
-    base = os.path.join(sys_root, k.NODE_DIR)
-    with_memory = k.read_list(os.path.join(base, k.NODE_HAS_MEMORY))
-    normal = k.read_list(os.path.join(base, k.NODE_HAS_NORMAL_MEMORY))
+    base = os.path.join(sys_root, sysfs.NODE_DIR)
+    with_memory = sysfs.read_list(os.path.join(base, sysfs.NODE_HAS_MEMORY))
+    normal = sysfs.read_list(os.path.join(base, sysfs.NODE_HAS_NORMAL_MEMORY))
     if with_memory is None or normal is None:
         return frozenset()
     return frozenset(set(with_memory) - set(normal))
