@@ -213,7 +213,7 @@ class Kvtierd:
     def sources(self) -> dict:
         from kvtier.client import Client
 
-        with Client(str(self.sock)) as c:
+        with Client(str(self.sock), timeout=60 * speed.current()) as c:
             return c.request("status").get("engine", {}).get("sources", {})
 
     def stop(self) -> str:
@@ -258,7 +258,7 @@ def run_mode(mode: str, seconds: float) -> dict:
             from kvtier.client import Client
 
             daemon = Kvtierd()
-            client = Client(str(daemon.sock), name="vm_tiering_compare")
+            client = Client(str(daemon.sock), name="vm_tiering_compare", timeout=60 * speed.current())
             region = client.register(addr=child.addr, length=POOL, block_size=BLOCK, pid=child.pid,
                                      name="pool")
         hints = mode == "kvtier_hints"

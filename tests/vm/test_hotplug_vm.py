@@ -117,7 +117,7 @@ class Daemon:
         wait_for(lambda: self.sock.exists() or self.proc.poll() is not None, "kvtierd's socket")
         assert self.proc.poll() is None, self.log.read_text()[-3000:]
         wait_for(lambda: "uevent_listening" in self.log.read_text(), "the uevent socket")
-        self.client = Client(str(self.sock), name="test_hotplug_vm")
+        self.client = Client(str(self.sock), name="test_hotplug_vm", timeout=scaled(60))
 
     def tiers(self) -> list[dict]:
         return self.client.request("tiers")["tiers"]

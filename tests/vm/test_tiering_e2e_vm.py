@@ -106,7 +106,9 @@ class Daemon:
             assert self.proc.poll() is None and time.monotonic() < end, self.log.read_text()[-3000:]
             time.sleep(0.1)
         # Only for stats: the workload thread hints through its own client.
-        self.client = Client(str(self.sock), name="test_tiering_e2e")
+        # A reply can wait for a tick that measures the whole pool: seen
+        # over the client's default 10 s on a busy host.
+        self.client = Client(str(self.sock), name="test_tiering_e2e", timeout=scaled(60))
 
     def ticks(self) -> int:
         return int(self.client.request("stats")["ticks_total"])
@@ -196,7 +198,7 @@ def run(tmp_path: Path, hints: bool, limit: int) -> list:
         assert placement(child)[1].mean() > 0.99
         d = Daemon(tmp_path, hints)
         w = Workload(child)
-        kv = Client(str(d.sock), name="test_tiering_e2e workload")
+        kv = Client(str(d.sock), name="test_tiering_e2e workload", timeout=scaled(60))
         try:
             region = kv.register(addr=child.addr, length=POOL, block_size=BLOCK, pid=child.pid, name="pool")
             w.region = region if hints else None
