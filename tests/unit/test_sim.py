@@ -401,3 +401,19 @@ def test_belady_min_shortcut_agrees_with_the_full_search(monkeypatch):
         full = belady_min(tr, tiers_cfg(cap, 4096)).served
         monkeypatch.undo()
         assert fast == pytest.approx(full), cap
+
+
+def test_cli_replays_a_mooncake_trace_with_model_and_rates(capsys):
+    from pathlib import Path
+
+    trace = Path(__file__).resolve().parents[1] / "data" / "mooncake" / "synthetic_trace.jsonl"
+    rc = cli.main(["run", "--trace", str(trace), "--requests", "150", "--model", "llama-3-70b", "--decode-tps", "20",
+                   "--dram-frac", "0.25", "--policy", "kvtier,lru,feasible-oracle,belady-min", "--json"])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert "llama-3-70b (327680 B/token)" in doc["source"] and "decode 20 tokens/s" in doc["source"]
+    hits = {r["policy"]: r["hit_ratio"][0] for r in doc["results"]}
+    assert 0 < hits["kvtier"] <= 1 and hits["belady-min"] >= hits["lru"]
+    from kvtier.hotness import DEFAULT_TAU_S
+
+    assert doc["kvtier_settings"]["hotness"]["tau_s"] == DEFAULT_TAU_S  # the shipped default, not a sim one
