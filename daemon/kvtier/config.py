@@ -613,8 +613,13 @@ def load(path: str | None = DEFAULT_PATH, *, missing_ok: bool = False,
         except FileNotFoundError:
             if not missing_ok:
                 raise ConfigError(f"{path}: config file not found") from None
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 (TOML must be): byte 0x{e.object[e.start]:02x} "
+                              f"at offset {e.start}") from None
+        except RecursionError:
+            raise ConfigError(f"{path}: arrays or tables nested too deeply") from None
         except OSError as e:
             raise ConfigError(f"{path}: {e.strerror}") from None
     for key, value in (overrides or {}).items():

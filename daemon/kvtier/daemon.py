@@ -89,6 +89,11 @@ class Daemon:
         self._state_timer: asyncio.TimerHandle | None = None
         self._state_future: asyncio.Future | None = None
         self._state_again = False
+        # Futures of requests whose answer waits until the state file shows
+        # their change (unregister): for the next snapshot, and for the one
+        # being written now.
+        self._durable_next: list[asyncio.Future] = []
+        self._durable_writing: list[asyncio.Future] = []
         self._closing = False
         self._state_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-state")
 
@@ -127,6 +132,7 @@ class Daemon:
         self.watch = watch_mod.Watcher(watch_mod.parse_rules(cfg.watch), self.registry, PsutilScanner(d.proc_root))
         self.watch_schedule = watch_mod.Schedule(self.watch, loop, d.watch_interval)
         self.api = ControlAPI(self.registry, self.engine, self.stats, lim.max_message_bytes, VERSION)
+        self.api.durable = self.state_durable
         self.server = Server(
             self.api, self.stats, path=d.socket, mode=d.socket_mode, group=d.socket_group,
             admin_group=cfg.security.admin_group, limits=lim,
@@ -176,15 +182,37 @@ class Daemon:
             self._state_again = True  # written again when the current write ends
             return
         doc = (self.cfg.daemon.state_file, self.registry.to_state(), self.registry.next_id)
+        self._durable_writing, self._durable_next = self._durable_next, []
         loop = asyncio.get_running_loop()
         self._state_future = loop.run_in_executor(self._state_executor, self._write_state, *doc)
         self._state_future.add_done_callback(self._state_written)
 
     def _state_written(self, fut) -> None:
         self._state_future = None
+        self._release_durable(self._durable_writing)
+        self._durable_writing = []
         if self._state_again:
             self._state_again = False
             self._state_dirty()
+
+    @staticmethod
+    def _release_durable(waiters: list[asyncio.Future]) -> None:
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
+
+    def state_durable(self) -> asyncio.Future | None:
+        """A future done once the registry as it is now is in the state file
+        (None without a state file). An unregister is answered only then, so
+        a crash after the answer can never bring the region back."""
+        if not self.cfg.daemon.state_file or self._closing:
+            return None
+        fut = asyncio.get_running_loop().create_future()
+        self._durable_next.append(fut)
+        self._state_dirty()
+        if self._state_future is not None:
+            self._state_again = True
+        return fut
 
     def _write_state(self, path: str, regions: list[dict], next_id: int) -> None:
         try:
@@ -219,9 +247,12 @@ class Daemon:
         try:
             new = config.load(self.config_path, missing_ok=self.config_path == config.DEFAULT_PATH)
             pcfg = policy_config(new, self.registry.tenant_id)
-        except (ConfigError, OSError) as e:
+        except Exception as e:  # any error, even a bug in a validator: never die on SIGHUP
             self.stats.config_reload_errors_total += 1
-            log.error("reload failed, keeping the running config: %s", e)
+            if isinstance(e, (ConfigError, OSError)):
+                log.error("reload failed, keeping the running config: %s", e)
+            else:
+                log.exception("reload failed, keeping the running config")
             self.notifier.ready(self._status_line())
             return
         for key in ("daemon.socket", "daemon.socket_group", "daemon.socket_mode", "daemon.state_file",
@@ -340,6 +371,7 @@ class Daemon:
             self._state_timer.cancel()
         self._state_executor.shutdown(wait=True)  # an in-flight write finishes first
         self.flush_state()
+        self._release_durable(self._durable_writing + self._durable_next)
         self.watcher.close()
         if self.metrics is not None:
             self.metrics.stop()

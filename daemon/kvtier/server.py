@@ -170,6 +170,17 @@ def is_privileged(uid: int, gid: int, admin_gid: int | None) -> bool:
         return False
 
 
+class AfterWrite:
+    """A result to send once ``future`` is done (None: at once). The
+    connection answers nothing else meanwhile, so answers stay in order."""
+
+    __slots__ = ("future", "result")
+
+    def __init__(self, future: "asyncio.Future | None", result: Any):
+        self.future = future
+        self.result = result
+
+
 def _error_of(exc: BaseException) -> protocol.ProtocolError:
     """Map typed daemon errors to wire errors; anything else is internal."""
     if isinstance(exc, protocol.ProtocolError):
@@ -195,6 +206,9 @@ class ControlAPI:
         self.max_message_bytes = max_message_bytes
         self.version = version
         self._pushers: dict[Peer, Callable[[str, dict], None]] = {}
+        # Set by the composition root: a future done once the current
+        # registry is in the state file (None: no state file).
+        self.durable: Callable[[], "asyncio.Future | None"] = lambda: None
         self._handlers: dict[type, Callable[[Peer, Any], Any]] = {
             t: getattr(self, "op_" + op) for op, t in protocol.OPS.items()
         }
@@ -276,12 +290,29 @@ class ControlAPI:
 
     def op_register(self, peer: Peer, req: protocol.Register) -> dict:
         pid, start_time = self._register_target(peer, req.pid)
+        same = self._same_region(peer, pid, start_time, req)
+        if same is not None:
+            return {"region": same.id, "blocks": same.nblocks, "block_size": same.block_size, "pid": pid,
+                    "existing": True}
         reg = self.registry.add(
             pid, req.start, req.length, req.block_size, name=req.name, tenant=req.tenant,
             priority=req.priority, constraints=tuple(dict.fromkeys(req.constraints)),
             owner_uid=peer.uid, start_time=start_time,
         )
         return {"region": reg.id, "blocks": reg.nblocks, "block_size": reg.block_size, "pid": pid}
+
+    def _same_region(self, peer: Peer, pid: int, start_time: int, req: protocol.Register) -> Region | None:
+        """The process's region of exactly this range and block size, if the
+        caller may use it: registering it again hands it back instead of
+        failing with `overlap`. That is what a client needs after a register
+        whose answer it lost (timeout, daemon restart) and after a restart
+        re-adopted a region the client had not heard about."""
+        for rid in self.registry.by_pid.get(pid, ()):
+            r = self.registry.regions[rid]
+            if (r.start, r.length, r.block_size, r.start_time) == (req.start, req.length, req.block_size, start_time) \
+                    and (r.owner_uid == peer.uid or peer.privileged):
+                return r
+        return None
 
     def op_allocate(self, peer: Peer, req: protocol.Allocate) -> dict:
         """Choose the node for memory the caller mapped and has not touched,
@@ -410,7 +441,9 @@ class ControlAPI:
         reg = self.registry.remove(req.region)
         self.engine.engine_moves.forget_region(reg.id)
         logs.event(log, "region_unregistered", region=reg.id, pid=reg.pid, name=reg.name, by_uid=peer.uid)
-        return {}
+        # Answered once the state file no longer holds the region: after a
+        # crash the restarted daemon must not re-adopt what the client removed.
+        return AfterWrite(self.durable(), {})
 
     def op_hint(self, peer: Peer, req: protocol.Hint) -> dict:
         self._own(peer, req.region)
@@ -586,6 +619,7 @@ class Connection(asyncio.Protocol):
         self.write_paused = False  # the client is not reading its answers
         self.read_paused = False
         self.turn_queued = False
+        self.waiting: asyncio.Future | None = None  # a deferred answer (AfterWrite) not sent yet
         self.held = 0  # bytes of input accounted to the uid (Server.hold)
         self.frame_started = 0.0  # monotonic time the incomplete frame began; 0 = none
         self.last_request = time.monotonic()
@@ -626,7 +660,7 @@ class Connection(asyncio.Protocol):
     def _update_reading(self) -> None:
         if self.transport is None or self.closing:
             return
-        want_pause = self.write_paused or self.reader.has_frame()
+        want_pause = self.write_paused or self.waiting is not None or self.reader.has_frame()
         if want_pause != self.read_paused:
             self.read_paused = want_pause
             if want_pause:
@@ -674,6 +708,8 @@ class Connection(asyncio.Protocol):
         held = 0
         deadline = time.monotonic() + TURN_SECONDS
         for n in range(FRAMES_PER_TURN):
+            if self.waiting is not None:
+                break
             if self.write_paused or tr.get_write_buffer_size() + held >= WRITE_HIGH_WATER:
                 break  # resume_writing queues the next turn
             if held >= TURN_ANSWER_BYTES or (n and time.monotonic() >= deadline):
@@ -691,6 +727,8 @@ class Connection(asyncio.Protocol):
             if self.reader.pending:
                 self.frame_started = self.last_request  # the next frame's bytes have begun
             answer = self._answer(payload)
+            if self.waiting is not None:
+                break  # _resume answers it and queues the next turn
             out.append(answer)
             held += len(answer)
             if held >= OUT_CHUNK:
@@ -701,6 +739,15 @@ class Connection(asyncio.Protocol):
         self._write(out)
         self._track_input()
         self._update_reading()
+
+    def _resume(self, rid: int, result: Any) -> None:
+        """A deferred answer is ready: send it, then carry on with the frames
+        that arrived meanwhile."""
+        self.waiting = None
+        if self.closing or self.transport is None:
+            return
+        self._write([protocol.ok(rid, result)])
+        self._queue_turn()
 
     def _track_input(self) -> None:
         """After frames were taken out: what is left is accounted, and the
@@ -734,7 +781,14 @@ class Connection(asyncio.Protocol):
             rid = req.id
             op = req.__struct_config__.tag
             st.requests[op] += 1
-            return protocol.ok(rid, self.server.api.handle(self.peer, req))
+            result = self.server.api.handle(self.peer, req)
+            if isinstance(result, AfterWrite):
+                if result.future is not None:
+                    self.waiting = result.future
+                    result.future.add_done_callback(lambda _f, r=rid, res=result.result: self._resume(r, res))
+                    return b""
+                result = result.result
+            return protocol.ok(rid, result)
         except Exception as exc:
             err = _error_of(exc)
             if err.code == protocol.E_INTERNAL:

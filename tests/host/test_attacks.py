@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import fcntl
 import os
+import signal
 import socket
 import struct
 import termios
@@ -425,3 +426,90 @@ def test_deeply_nested_msgpack_is_an_invalid_request_logged_once(daemon):
     assert "Traceback" not in log and "internal error" not in log
     lines = [ln for ln in log.splitlines() if "nested too deeply" in ln]
     assert 1 <= len(lines) <= 3, lines
+
+
+# Registers and unregisters one buffer as fast as it can, saying which
+# answers it got; when the daemon dies it waits for "go" and registers the
+# same buffer again.
+CHURN = r"""
+import mmap, sys
+from kvtier.client import Client
+buf = mmap.mmap(-1, 4 << 20); buf.write(b"\1" * len(buf))
+c = Client(sys.argv[1], reconnect_timeout=0)
+try:
+    while True:
+        r = c.register(buf, block_size=1 << 20)
+        print("r", r.id, flush=True)
+        r.unregister()
+        print("u", r.id, flush=True)
+except Exception as e:
+    print("x", type(e).__name__, flush=True)
+sys.stdin.readline()
+info = Client(sys.argv[1]).call(__import__("kvtier.protocol", fromlist=["x"]).Register(
+    start=r.start, length=r.length, block_size=1 << 20))
+print("again", info["region"], info.get("existing", False), flush=True)
+"""
+
+
+def test_kill_9_never_brings_back_an_unregistered_region(workdir):
+    """Defect 4: kill -9 in a register/unregister loop; the restarted daemon
+    re-adopts no region whose unregister was answered, and registering the
+    exact range of a region it did re-adopt hands that region back."""
+    import random
+
+    d = DaemonProc(workdir, args=("--set", "daemon.state_flush_delay=0.05"))
+    rng = random.Random(12)
+    for trial in range(5):
+        d.start()
+        churn = subprocess.Popen([PY, "-c", CHURN, d.sock], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert churn.stdout.readline().startswith("r ")
+            time.sleep(rng.uniform(0.05, 0.4))
+            d.stop(signal.SIGKILL)
+            answered: dict[int, str] = {}
+            for line in churn.stdout:
+                kind, _, rest = line.strip().partition(" ")
+                if kind == "x":
+                    break
+                answered[int(rest)] = kind
+            d.start()
+            adopted = {r["id"] for r in d.regions()}
+            removed = {rid for rid, kind in answered.items() if kind == "u"}
+            assert not adopted & removed, f"trial {trial}: unregistered region(s) {adopted & removed} came back"
+            churn.stdin.write("go\n")
+            churn.stdin.flush()
+            _, rid, existing = churn.stdout.readline().split()
+            if adopted:
+                assert (int(rid), existing) == (adopted.pop(), "True")
+            else:
+                assert existing == "False"
+        finally:
+            churn.kill()
+            churn.wait()
+            d.stop(signal.SIGKILL)
+
+
+def test_unreadable_config_is_a_clear_error_and_reload_keeps_running(daemon):
+    """Defect 3: a config that is not UTF-8 or nests too deeply is exit 78
+    with the reason for --check-config, and SIGHUP with it keeps the daemon
+    on its old config instead of killing it."""
+    good = open(daemon.config, "rb").read()
+    bad = {
+        "not UTF-8": good + b'\n[security]\nadmin_group = "\xff\xfe"\n',
+        "nested too deeply": good + b"\n[policy]\ncapacity = " + b"[" * 5000 + b"]" * 5000 + b"\n",
+    }
+    try:
+        for n, (why, text) in enumerate(bad.items(), 1):
+            with open(daemon.config, "wb") as f:
+                f.write(text)
+            r = subprocess.run([PY, "-m", "kvtier.daemon", "--check-config", "-c", daemon.config],
+                               capture_output=True, text=True)
+            assert r.returncode == 78 and why in r.stderr and "Traceback" not in r.stderr, r
+            daemon.proc.send_signal(signal.SIGHUP)
+            with daemon.client() as c:
+                wait_for(lambda: c.stats()["config_reload_errors_total"] == n, "the reload to fail")
+            assert daemon.proc.poll() is None
+    finally:
+        with open(daemon.config, "wb") as f:
+            f.write(good)
+    assert "Traceback" not in daemon.read_log()
