@@ -43,6 +43,9 @@ CONSTRAINT_FLAGS = {"keep_dram": F_KEEP_DRAM, "never_swap": F_NEVER_SWAP}
 MIN_BLOCK_SIZE = 4096
 
 
+# Region ids travel as the protocol's `region` type: 1..2^31-1.
+MAX_REGION_ID = (1 << 31) - 1
+
 class NotFound(KvtierError, LookupError):
     code = "not_found"
 
@@ -229,10 +232,12 @@ class Registry:
         if pid not in self.by_pid and self.watcher is not None:
             self.watcher.watch(pid, self.drop_pid)
         if region_id is None:
-            region_id = self.next_id
+            region_id = self._free_id()
+            self.next_id = region_id + 1
         elif region_id in self.regions:
             raise Overlap(f"region id {region_id} already in use")
-        self.next_id = max(self.next_id, region_id + 1)
+        else:
+            self.next_id = max(self.next_id, region_id + 1)
         flags = 0
         for c in constraints:
             flags |= CONSTRAINT_FLAGS[c]
@@ -277,6 +282,16 @@ class Registry:
         flags = t.region_view(region_id, "flags")
         flags[tiers >= 0] &= np.uint8(~F_NOT_PRESENT & 0xFF)
         flags[tiers < 0] |= np.uint8(F_NOT_PRESENT)
+
+    def _free_id(self) -> int:
+        """The next unused id from next_id on, wrapping from MAX_REGION_ID
+        (the wire's region type) back to 1: ids count up so that a freed id
+        is not handed out again soon (a client may still hold it), and are
+        reused once the range runs out instead of failing every register."""
+        rid = self.next_id if 1 <= self.next_id <= MAX_REGION_ID else 1
+        while rid in self.regions:
+            rid = rid + 1 if rid < MAX_REGION_ID else 1
+        return rid
 
     def get(self, region_id: int) -> Region:
         reg = self.regions.get(region_id)
@@ -406,7 +421,8 @@ class Registry:
         """Re-add regions from the state file whose process is still the same
         one (pid and start time) and whose range is still mapped. Returns
         (adopted, dropped)."""
-        self.next_id = max(self.next_id, next_id)
+        if 1 <= next_id <= MAX_REGION_ID:
+            self.next_id = max(self.next_id, next_id)
         adopted = dropped = 0
         for e in entries:
             try:

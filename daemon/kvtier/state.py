@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 
 from kvtier.errors import os_error
 
@@ -48,24 +49,60 @@ def save(path: str, regions: list[dict], next_id: int) -> None:
         raise os_error(e.errno, f"write state file {path}") from None
 
 
+MAX_ID = (1 << 31) - 1  # the wire's region id type
+
+
+def move_aside(path: str, reason: str) -> str | None:
+    """Keep a state file the daemon cannot use next to it (``state.json.bad-
+    <unix time>``) for a human to look at, instead of overwriting it with the
+    first registration; log why."""
+    dest = f"{path}.bad-{int(time.time())}"
+    try:
+        os.rename(path, dest)
+    except OSError as e:
+        log.error("state file %s is unusable (%s) and could not be moved aside: %s", path, reason, e.strerror)
+        return None
+    log.error("state file %s is unusable (%s): moved to %s, starting with no registrations", path, reason, dest)
+    return dest
+
+
 def load(path: str) -> tuple[list[dict], int]:
-    """(regions, next_id); a missing file is an empty state, a corrupt or
-    foreign-version one is logged and ignored (the daemon must still start)."""
+    """(regions, next_id). A missing file is an empty state; an unusable one
+    (unreadable, not JSON, nested too deeply, another version, wrong shape)
+    is moved aside with the reason logged, and the daemon starts empty.
+    Entries that are not objects, or whose id is not a valid region id, are
+    dropped and counted in the log; a next_id outside 1..2^31-1 is ignored."""
     try:
         with open(path, "rb") as f:
             doc = json.load(f)
     except FileNotFoundError:
         return [], 1
-    except (OSError, ValueError) as e:
-        log.error("ignoring unreadable state file %s: %s", path, e)
+    except OSError as e:
+        log.error("ignoring unreadable state file %s: %s", path, e.strerror)
+        return [], 1
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        move_aside(path, f"not JSON: {e}")
+        return [], 1
+    except RecursionError:
+        move_aside(path, "nested too deeply")
         return [], 1
     if not isinstance(doc, dict) or doc.get("version") != STATE_VERSION:
-        log.error("ignoring state file %s: unknown version %r", path,
-                  doc.get("version") if isinstance(doc, dict) else None)
+        move_aside(path, f"unknown version {doc.get('version') if isinstance(doc, dict) else None!r}")
         return [], 1
     regions = doc.get("regions")
-    next_id = doc.get("next_id", 1)
-    if not isinstance(regions, list) or not isinstance(next_id, int):
-        log.error("ignoring malformed state file %s", path)
+    if not isinstance(regions, list):
+        move_aside(path, "no list of regions")
         return [], 1
-    return [r for r in regions if isinstance(r, dict)], max(1, next_id)
+    entries = [r for r in regions if isinstance(r, dict) and _valid_id(r.get("id"))]
+    if len(entries) != len(regions):
+        log.error("state file %s: dropped %d of %d entries that are not objects with an id in 1..%d",
+                  path, len(regions) - len(entries), len(regions), MAX_ID)
+    next_id = doc.get("next_id", 1)
+    if not _valid_id(next_id):
+        log.error("state file %s: ignoring next_id %r (not in 1..%d)", path, next_id, MAX_ID)
+        next_id = 1
+    return entries, next_id
+
+
+def _valid_id(v: object) -> bool:
+    return type(v) is int and 1 <= v <= MAX_ID

@@ -348,7 +348,10 @@ def test_incomplete_frames_are_capped_per_uid(workdir):
         conns = [_connect(d.sock) for _ in range(4)]
         part = protocol.HEADER.pack(4 << 20) + b"\x81" * (400 << 10)
         for s in conns:
-            s.sendall(part)
+            try:
+                s.sendall(part)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # closed by the daemon while we were still sending: checked below
         # The third pushes the uid past 1 MiB: it alone is closed.
         assert _closed_with(conns[2]) in ("limit_exceeded", "reset")
         conns[2].close()
@@ -513,3 +516,49 @@ def test_unreadable_config_is_a_clear_error_and_reload_keeps_running(daemon):
         with open(daemon.config, "wb") as f:
             f.write(good)
     assert "Traceback" not in daemon.read_log()
+
+
+def test_bad_state_files_are_moved_aside_and_ids_stay_on_the_wire(workdir):
+    """Defect 8: a state file that nests too deeply or is not JSON no longer
+    stops start-up or gets overwritten: it is moved aside with the reason
+    logged. Non-object entries are counted; a next_id at or past 2^31-1
+    does not make every register fail: ids wrap within the wire's range."""
+    import glob
+    import mmap
+
+    d = DaemonProc(workdir)
+    buf = mmap.mmap(-1, 4 << 20)
+    try:
+        for text, why in ((b'{"version": 1, "regions": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+                          (b'{"version": 1, "regi', "not JSON")):
+            with open(d.state, "wb") as f:
+                f.write(text)
+            d.start()
+            with d.client() as c:
+                c.register(buf, block_size=1 << 20).unregister()
+            d.stop()
+            aside = glob.glob(d.state + ".bad-*")
+            assert len(aside) == 1 and open(aside[0], "rb").read() == text, aside
+            assert why in d.read_log() and "moved to" in d.read_log()
+            os.unlink(aside[0])
+        with open(d.state, "w") as f:
+            json.dump({"version": 1, "next_id": (1 << 31) - 2, "regions": [7, "x", None]}, f)
+        d.start()
+        assert "dropped 3 of 3 entries" in d.read_log()
+        with d.client() as c:
+            ids = []
+            for _ in range(3):
+                r = c.register(buf, block_size=1 << 20)
+                ids.append(r.id)
+                r.unregister()
+        assert ids == [(1 << 31) - 2, (1 << 31) - 1, 1], ids
+        d.stop()
+        with open(d.state, "w") as f:
+            json.dump({"version": 1, "next_id": 1 << 40, "regions": []}, f)
+        d.start()
+        with d.client() as c:
+            assert c.register(buf, block_size=1 << 20).id == 1
+    finally:
+        buf.close()
+        assert d.stop() == 0
+    assert "Traceback" not in d.read_log()
