@@ -209,9 +209,12 @@ class Daemon:
             return None
         fut = asyncio.get_running_loop().create_future()
         self._durable_next.append(fut)
-        self._state_dirty()
-        if self._state_future is not None:
-            self._state_again = True
+        # Someone waits for this write: no point batching (state_flush_delay)
+        # behind it; write now, or right after the write in flight.
+        if self._state_timer is not None:
+            self._state_timer.cancel()
+            self._state_timer = None
+        self._state_write_async()
         return fut
 
     def _write_state(self, path: str, regions: list[dict], next_id: int) -> None:
