@@ -401,6 +401,7 @@ class Client:
         self._engine = 0  # engine-mode regions registered here: poll() must read even with nothing in flight
         self.async_errors: list[KvtierClientError] = []  # answers to pipelined hints
         self.reconnects = 0
+        self.connected_once = False  # reconnect_timeout applies only after a connection existed
         if connect:
             self.connect()
 
@@ -420,6 +421,7 @@ class Client:
                 why += "; is kvtierd running? (systemctl status kvtierd)"
             raise DaemonUnavailable(self.path, why, e.errno or 0) from None
         self.sock = s
+        self.connected_once = True
         self._rbuf.clear()
         self._in_flight.clear()
         self._wpartial = b""
@@ -639,7 +641,13 @@ class Client:
         for attempt in (0, 1):
             try:
                 if self.sock is None:
-                    self._reconnect()
+                    # Client(connect=False) with no daemon: say so now. Waiting
+                    # out reconnect_timeout is for a daemon that was there
+                    # and is restarting.
+                    if self.connected_once:
+                        self._reconnect()
+                    else:
+                        self.connect()
                 result = self._call_once(req)
                 if self._events and not isinstance(req, protocol.MoveDone):
                     self._run_events()

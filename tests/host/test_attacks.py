@@ -562,3 +562,32 @@ def test_bad_state_files_are_moved_aside_and_ids_stay_on_the_wire(workdir):
         buf.close()
         assert d.stop() == 0
     assert "Traceback" not in d.read_log()
+
+
+def test_client_without_daemon_fails_at_once_and_retried_register_learns_the_id(workdir):
+    """Defect 11: Client(connect=False) with no daemon raises on its first
+    call instead of waiting out reconnect_timeout (30 s); and a register
+    whose answer a client lost is learnt by registering again (the daemon
+    hands back the same region instead of `overlap`)."""
+    import mmap
+
+    from kvtier.client import Client, DaemonUnavailable
+
+    c = Client(os.path.join(workdir, "none.sock"), connect=False, reconnect_timeout=30)
+    t0 = time.monotonic()
+    with pytest.raises(DaemonUnavailable):
+        c.request("status")
+    assert time.monotonic() - t0 < 10, "waited for a daemon that was never there"
+    d = DaemonProc(workdir).start()
+    buf = mmap.mmap(-1, 4 << 20)
+    try:
+        with d.client() as c1:
+            first = c1.register(buf, block_size=1 << 20)
+            # As if the answer above had been lost: the same request again.
+            again = c1.call(protocol.Register(start=first.start, length=first.length, block_size=1 << 20))
+            assert again["region"] == first.id and again["existing"] is True
+            assert len(d.regions()) == 1
+            first.unregister()
+    finally:
+        buf.close()
+        assert d.stop() == 0
