@@ -7,17 +7,20 @@
 # 1. scripts/setup.sh installs what is missing (apt packages, QEMU 10 and a
 #    guest kernel from backports, the .venv); a no-op the second time.
 # 2. Boots the guest with scripts/vm/run.py and runs scripts/demo/driver.py
-#    in it: kvtierd with the default config plus tier capacity targets, and
-#    a synthetic inference workload (scripts/demo/workload.py) whose 256 MiB
-#    KV pool starts on the far node. One status line per second shows the
-#    share of block reads served from DRAM climbing as kvtier moves the hot
-#    set up and the cold blocks down to the far node and swap.
-# 3. Writes out/demo/report.md and out/demo/placement.png (hot-set residency
-#    and tier occupancy over time, bytes moved per tier pair).
+#    in it: a synthetic inference workload (scripts/demo/workload.py) whose
+#    256 MiB KV pool starts on the far node, run three times in the same
+#    guest boot with the same seed and the same free DRAM: with kvtierd
+#    (default config plus tier capacity targets), with the kernel's own
+#    tiering (numa_balancing=2) and with neither. One status line per second
+#    shows the share of block reads served from DRAM.
+# 3. Writes out/demo/report.md, out/demo/comparison.png (the three modes side
+#    by side: DRAM share of reads, pool bytes in DRAM, bytes moved) and
+#    out/demo/placement.png (kvtier's run: residency and tier occupancy).
 #
-# Takes about 5 minutes on 2 cores once set up (the guest runs under TCG).
-# Knobs: KVTIER_DEMO_SECONDS (workload length, default 180), KVTIER_DEMO_OUT
-# (default out/demo); extra arguments go to the driver, e.g. --with-cxl.
+# Takes about 10 minutes on 2 cores once set up (the guest runs under TCG).
+# Knobs: KVTIER_DEMO_SECONDS (workload length per mode, default 120),
+# KVTIER_DEMO_OUT (default out/demo); extra arguments go to the driver, e.g.
+# --with-cxl or --modes kvtier.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
@@ -27,7 +30,7 @@ if [ "${1:-}" = "--host" ]; then
   mode=host
   shift
 fi
-seconds=${KVTIER_DEMO_SECONDS:-180}
+seconds=${KVTIER_DEMO_SECONDS:-120}
 out=${KVTIER_DEMO_OUT:-$repo/out/demo}
 run_dir=$out/run
 mkdir -p "$out"
@@ -54,9 +57,9 @@ if [ "$mode" = host ]; then
   rc=$?
   set -e
 else
-  # Boot ~20 s, interpreter start-up and pool set-up under TCG ~40 s,
-  # the workload, then the daemon's shutdown.
-  timeout=$(( seconds + 240 ))
+  # Boot ~20 s; per mode, interpreter start-up and pool set-up under TCG
+  # ~40 s, the workload, the daemon's shutdown.
+  timeout=$(( 3 * (seconds + 90) + 120 ))
   say "booting the QEMU guest; kvtierd + workload for ${seconds}s inside (console: $run_dir/console.log)"
   set +e
   "$py" scripts/vm/run.py --share "$run_dir" --timeout "$timeout" -- \

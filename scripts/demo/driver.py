@@ -1,7 +1,22 @@
 #!/usr/bin/env python3
-"""Runs one kvtier demo on this machine (the QEMU guest, or a NUMA host).
+"""Runs the kvtier demo on this machine (the QEMU guest, or a NUMA host).
 
-    scripts/demo/driver.py --out DIR [--duration S]
+    scripts/demo/driver.py --out DIR [--duration S] [--modes kvtier,numa_balancing,none]
+
+The same workload (same seed, same pool, same start node, same free DRAM)
+runs once per mode, one after the other, each result in DIR/<mode>/:
+
+* ``kvtier``: kvtierd with its default config and the demo's tier targets,
+  numa_balancing=0, the workload registering its pool and sending hints;
+* ``numa_balancing``: no kvtierd; the kernel's own memory tiering
+  (numa_balancing=2, demotion_enabled=1);
+* ``none``: no kvtierd, numa_balancing=0: where the pages start is where
+  they stay (the control).
+
+DRAM is really scarce in every mode, not only as kvtier's target: before
+each run the driver takes all of node 0's free memory but ``--dram-mib``
+plus ``--slack-mib`` into a locked, node-0-bound allocation, so the kernel's
+own tiering faces the same room as kvtier.
 
 1. Writes the demo's kvtierd config: the defaults, plus per-tier capacity
    targets so that a 256 MiB KV pool does not simply fit in DRAM (the guest
@@ -14,7 +29,8 @@
 4. Passes the workload's one-line-per-second status through to stdout and
    to DIR/status.log (the host tails it while the guest runs).
 5. Saves the daemon's last /metrics scrape, its log and the workload's
-   timeline into DIR, stops the daemon, and exits with the workload's status.
+   timeline into DIR/<mode>, stops the daemon, and exits non-zero if any
+   mode's workload failed.
 
 The report (PNG + markdown) is drawn afterwards by scripts/demo/report.py
 from DIR, on the host, where matplotlib does not have to run under TCG.
@@ -23,7 +39,9 @@ from DIR, on the host, where matplotlib does not have to run under TCG.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import mmap
 import os
 import re
 import signal
@@ -31,13 +49,19 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 MIB = 1 << 20
 NUMA_BALANCING = "/proc/sys/kernel/numa_balancing"
+DEMOTION_ENABLED = "/sys/kernel/mm/numa/demotion_enabled"
 NODES = "/sys/devices/system/node"
+MODES = ("kvtier", "numa_balancing", "none")
+# numa_balancing values: 0 off, 2 NUMA_BALANCING_MEMORY_TIERING (promote hot
+# pages from lower memory tiers, demote through kswapd).
+MODE_NUMA_BALANCING = {"kvtier": "0", "numa_balancing": "2", "none": "0"}
 
 
 def demo_config(sock: Path, state: Path, budgets: dict[int, int], order: list | None = None) -> str:
@@ -123,6 +147,48 @@ def plan_tiers(a, cpu_nodes: list[int], slow_nodes: list[int]):
     return tiers, True, None, note
 
 
+def node_free_bytes(node: int) -> int:
+    for line in Path(NODES, f"node{node}", "meminfo").read_text().splitlines():
+        if "MemFree:" in line:
+            return int(line.split()[-2]) * 1024
+    raise RuntimeError(f"node {node}: no MemFree in meminfo")
+
+
+class DramHog:
+    """Locked memory bound to one node: leaves exactly ``keep`` bytes free
+    there, so every mode competes for the same scarce DRAM. Locked pages are
+    unevictable, so the kernel's tiering cannot demote the hog to make room."""
+
+    def __init__(self, node: int, keep: int):
+        from kvtier.kernel import native
+
+        self.size = max(0, node_free_bytes(node) - keep) // mmap.PAGESIZE * mmap.PAGESIZE
+        self.buf = None
+        if self.size == 0:
+            return
+        self.buf = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(self.buf))
+        native.mbind(addr, self.size, native.MPOL_BIND, [node])
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.mlock(ctypes.c_void_p(addr), ctypes.c_size_t(self.size)) != 0:
+            raise OSError(ctypes.get_errno(), "mlock of the DRAM hog")  # mlock also faults every page in
+
+    def close(self) -> None:
+        if self.buf is not None:
+            self.buf.close()
+            self.buf = None
+
+
+def write_knob(path: str, value: str) -> str | None:
+    """Set a sysctl/sysfs knob; returns the old value (None if absent)."""
+    try:
+        old = Path(path).read_text().strip()
+        Path(path).write_text(value)
+        return old
+    except OSError:
+        return None
+
+
 class Tee:
     def __init__(self, path: Path):
         self.f = open(path, "a", buffering=1)
@@ -160,12 +226,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--with-cxl", action="store_true",
                     help="guest only: keep the (emulated, very slow) CXL tier, as the last memory tier")
     ap.add_argument("--run-dir", type=Path, default=Path("/run/kvtier-demo"))
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help=f"comma list of {', '.join(MODES)}, run in this order (kvtier first gives the "
+                         "baselines the daemon's tier list)")
+    ap.add_argument("--slack-mib", type=int, default=64,
+                    help="node-0 memory left free beyond --dram-mib (processes, kernel watermarks)")
     ap.add_argument("workload_args", nargs="*", help="extra arguments for workload.py (after --)")
     a = ap.parse_args(argv)
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        print(f"demo: unknown mode(s) {', '.join(bad) or '(none)'}; known: {', '.join(MODES)}", file=sys.stderr)
+        return 2
     out = a.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    for stale in ("status.log", "timeline.jsonl", "summary.json", "metrics.txt", "kvtierd.log"):
-        (out / stale).unlink(missing_ok=True)
+    (out / "status.log").unlink(missing_ok=True)
     tee = Tee(out / "status.log")
     if os.geteuid() != 0:
         tee.line("demo: needs root (kvtierd moves another process's pages)")
@@ -176,7 +251,6 @@ def main(argv: list[str] | None = None) -> int:
                  "Run scripts/demo.sh without --host to use the QEMU guest.")
         return 1
     a.run_dir.mkdir(parents=True, exist_ok=True)
-    sock, conf = a.run_dir / "kvtierd.sock", a.run_dir / "kvtierd.toml"
     mem_tiers, override, pin_cpus, note = plan_tiers(a, cpu_nodes, slow_nodes)
     if note:
         tee.line(note)
@@ -187,69 +261,127 @@ def main(argv: list[str] | None = None) -> int:
     # The pool starts in the slowest RAM-backed memory tier (far rather than
     # CXL: see --cxl-mib), on its first node.
     start_name, start_nodes, _ = ([t for t in mem_tiers[1:] if t[2] == "far"] or mem_tiers[1:])[-1]
-    start_node = start_nodes[0]
-    if os.environ.get("KVTIER_IN_VM") == "1":
+    plan = Plan(a, tee, mem_tiers, override, pin_cpus, budgets, start_name, start_nodes[0], slow_nodes, in_vm)
+    if in_vm:
         # The guest's init leaves loopback down; the metrics exporter listens on it.
         subprocess.run(["ip", "link", "set", "lo", "up"], check=False)
-    conf.write_text(demo_config(sock, a.run_dir / "state.json", budgets, mem_tiers if override else None))
-
-    old_nb = None
+    old_nb = Path(NUMA_BALANCING).read_text().strip() if Path(NUMA_BALANCING).exists() else None
+    old_demotion = Path(DEMOTION_ENABLED).read_text().strip() if Path(DEMOTION_ENABLED).exists() else None
+    rcs = {}
     try:
-        old_nb = Path(NUMA_BALANCING).read_text().strip()
-        Path(NUMA_BALANCING).write_text("0")
-    except OSError:
-        pass
+        for mode in modes:
+            rcs[mode] = run_mode(plan, mode, out / mode)
+    finally:
+        if old_nb is not None:
+            write_knob(NUMA_BALANCING, old_nb)
+        if old_demotion is not None:
+            write_knob(DEMOTION_ENABLED, old_demotion)
+    (out / "modes.json").write_text(json.dumps({"modes": modes, "workload_rc": rcs}, indent=1))
+    rc = max(rcs.values())
+    tee.line(f"demo: workload exited {rc} ({', '.join(f'{m} {r}' for m, r in rcs.items())})")
+    return rc
+
+
+@dataclass
+class Plan:
+    """What every mode of one demo run shares."""
+
+    a: argparse.Namespace
+    tee: Tee
+    mem_tiers: list
+    override: bool
+    pin_cpus: set[int] | None
+    budgets: dict[int, int]
+    start_name: str
+    start_node: int
+    slow_nodes: list[int]
+    in_vm: bool
+    tiers: list[dict] | None = None  # the daemon's tier list, once a kvtier run has seen it
+
+
+def fallback_tiers(plan: Plan) -> list[dict]:
+    """The tier list for baseline runs when no kvtier run came first: the
+    demo's memory tiers as kvtierd would report them, then swap."""
+    from kvtier.kernel import topology
+
+    tiers = [{"index": i, "name": n, "kind": k, "nodes": list(nodes)} for i, (n, nodes, k) in enumerate(plan.mem_tiers)]
+    swap = [t for t in topology.discover().tiers if t.kind == topology.KIND_SWAP]
+    for t in swap[:1]:
+        tiers.append({"index": len(tiers), "name": t.name, "kind": t.kind, "nodes": []})
+    return tiers
+
+
+def run_mode(plan: Plan, mode: str, out: Path) -> int:
+    a, tee = plan.a, plan.tee
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in ("timeline.jsonl", "summary.json", "metrics.txt", "kvtierd.log", "run.json"):
+        (out / stale).unlink(missing_ok=True)
+    write_knob(NUMA_BALANCING, MODE_NUMA_BALANCING[mode])
+    if mode == "numa_balancing":
+        write_knob(DEMOTION_ENABLED, "1")
+    sock, conf = a.run_dir / "kvtierd.sock", a.run_dir / "kvtierd.toml"
+    daemon = logf = hog = None
+    metrics_url = None
     log = out / "kvtierd.log"
-    logf = open(log, "wb")
-    daemon = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", "-c", str(conf)],
-                              stdout=logf, stderr=subprocess.STDOUT)
     rc = 1
     try:
-        metrics_url = wait_for(lambda: (m := re.search(r"metrics on (http://\S+/metrics)", log.read_text()))
-                               and m.group(1), "kvtierd to start", 60, daemon, log)
-        wait_for(sock.exists, "the control socket", 30, daemon, log)
-        from kvtier.client import Client
+        if mode == "kvtier":
+            conf.write_text(demo_config(sock, a.run_dir / "state.json", plan.budgets,
+                                        plan.mem_tiers if plan.override else None))
+            (a.run_dir / "state.json").unlink(missing_ok=True)
+            logf = open(log, "wb")
+            daemon = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", "-c", str(conf)],
+                                      stdout=logf, stderr=subprocess.STDOUT)
+            metrics_url = wait_for(lambda: (m := re.search(r"metrics on (http://\S+/metrics)", log.read_text()))
+                                   and m.group(1), "kvtierd to start", 60, daemon, log)
+            wait_for(sock.exists, "the control socket", 30, daemon, log)
+            from kvtier.client import Client
 
-        with Client(str(sock)) as c:
-            tiers = c.request("tiers")["tiers"]
-        tee.line("demo: kvtierd is up; tiers: " + ", ".join(
-            f"{t['name']} ({t['kind']}, nodes {','.join(map(str, t['nodes'])) or '-'}, "
-            f"target {budgets.get(t['index'], t['capacity']) // MIB} MiB)" for t in tiers))
-        tee.line(f"demo: {a.pool_mib} MiB KV pool starts on node {start_node} ({start_name}); "
-                 f"DRAM target {a.dram_mib} MiB; {a.duration:.0f} s of sessions")
-        wl = subprocess.Popen(
-            [sys.executable, "-u", str(HERE / "workload.py"), "--socket", str(sock),
-             "--timeline", str(out / "timeline.jsonl"), "--summary", str(out / "summary.json"),
-             "--duration", str(a.duration), "--pool-mib", str(a.pool_mib),
-             "--start-node", str(start_node), *a.workload_args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            preexec_fn=(lambda: os.sched_setaffinity(0, pin_cpus)) if pin_cpus else None)
+            with Client(str(sock)) as c:
+                plan.tiers = c.request("tiers")["tiers"]
+            tee.line("demo[kvtier]: kvtierd is up; tiers: " + ", ".join(
+                f"{t['name']} ({t['kind']}, nodes {','.join(map(str, t['nodes'])) or '-'}, "
+                f"target {plan.budgets.get(t['index'], t['capacity']) // MIB} MiB)" for t in plan.tiers))
+        tiers = plan.tiers or fallback_tiers(plan)
+        (out / "tiers.json").write_text(json.dumps(tiers))
+        dram_node = tiers[0]["nodes"][0]
+        hog = DramHog(dram_node, (a.dram_mib + a.slack_mib) * MIB)
+        tee.line(f"demo[{mode}]: {a.pool_mib} MiB KV pool starts on node {plan.start_node} ({plan.start_name}); "
+                 f"node {dram_node} has {node_free_bytes(dram_node) // MIB} MiB free (DRAM target {a.dram_mib} MiB); "
+                 f"numa_balancing={MODE_NUMA_BALANCING[mode]}; {a.duration:.0f} s of sessions")
+        cmd = [sys.executable, "-u", str(HERE / "workload.py"),
+               "--timeline", str(out / "timeline.jsonl"), "--summary", str(out / "summary.json"),
+               "--duration", str(a.duration), "--pool-mib", str(a.pool_mib),
+               "--start-node", str(plan.start_node), *a.workload_args]
+        cmd += ["--socket", str(sock)] if mode == "kvtier" else ["--no-daemon", "--tiers-json", str(out / "tiers.json")]
+        wl = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              preexec_fn=(lambda: os.sched_setaffinity(0, plan.pin_cpus)) if plan.pin_cpus else None)
         for line in wl.stdout:
-            tee.line(line.rstrip("\n"))
+            tee.line(f"[{mode}] " + line.rstrip("\n"))
         rc = wl.wait()
-        try:
-            with urllib.request.urlopen(metrics_url, timeout=10) as r:
-                (out / "metrics.txt").write_bytes(r.read())
-        except OSError as e:
-            tee.line(f"demo: could not save the final metrics scrape: {e}")
-        meta = {"tiers": tiers, "budgets": {str(k): v for k, v in budgets.items()},
-                "slow_nodes": slow_nodes, "duration_s": a.duration, "pool_mib": a.pool_mib,
-                "in_vm": os.environ.get("KVTIER_IN_VM") == "1", "workload_rc": rc}
+        if metrics_url:
+            try:
+                with urllib.request.urlopen(metrics_url, timeout=10) as r:
+                    (out / "metrics.txt").write_bytes(r.read())
+            except OSError as e:
+                tee.line(f"demo: could not save the final metrics scrape: {e}")
+        meta = {"mode": mode, "tiers": tiers, "budgets": {str(k): v for k, v in plan.budgets.items()},
+                "slow_nodes": plan.slow_nodes, "duration_s": a.duration, "pool_mib": a.pool_mib,
+                "dram_free_mib": a.dram_mib + a.slack_mib, "numa_balancing": MODE_NUMA_BALANCING[mode],
+                "in_vm": plan.in_vm, "workload_rc": rc}
         (out / "run.json").write_text(json.dumps(meta, indent=1))
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        try:
-            daemon.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
-            daemon.wait()
-        logf.close()
-        if old_nb is not None:
+        if hog is not None:
+            hog.close()
+        if daemon is not None:
+            daemon.send_signal(signal.SIGTERM)
             try:
-                Path(NUMA_BALANCING).write_text(old_nb)
-            except OSError:
-                pass
-    tee.line(f"demo: workload exited {rc}")
+                daemon.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+                daemon.wait()
+        if logf is not None:
+            logf.close()
     return rc
 
 

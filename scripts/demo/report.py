@@ -3,7 +3,11 @@
 
     scripts/demo/report.py --run DIR --out out/demo
 
-Reads DIR/timeline.jsonl (one record per second from workload.py),
+DIR holds one subdirectory per mode (kvtier, numa_balancing, none; the
+driver's DIR/modes.json lists them). The report puts the modes side by
+side (comparison.png: DRAM share of block reads and pool bytes in DRAM per
+second, one line per mode; a table of DRAM share and bytes moved) and then
+kvtier's own run in detail. For each mode it reads DIR/<mode>/timeline.jsonl (one record per second from workload.py),
 DIR/run.json (tiers and targets) and DIR/metrics.txt (kvtierd's last
 /metrics scrape) and writes into --out:
 
@@ -188,19 +192,121 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.0f} %"
 
 
+def mode_row(mode: str, timeline: list[dict], summary: dict) -> dict:
+    t, res = residency_series(timeline)
+    end = float(t[-1]) if len(t) else 0.0
+    reads = sum(r["reads"] for r in timeline)
+    return {"mode": mode, "first": window_mean(t, res, 0, 3), "last30": window_mean(t, res, max(0.0, end - 30), end + 1),
+            "mean": window_mean(t, res, 0, end + 1), "reads": reads,
+            "moved": summary.get("kernel_moved_bytes", timeline[-1].get("kernel_moved_bytes", 0) if timeline else 0),
+            "elapsed": summary.get("elapsed_s", end)}
+
+
+def plot_comparison(runs: dict[str, list[dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"kvtier": "#08519c", "numa_balancing": "#e6550d", "none": "#737373"}
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
+    for mode, timeline in runs.items():
+        t, res = residency_series(timeline)
+        ax1.plot(t, 100 * rolling(t, res, 10.0), lw=2, color=colors.get(mode), label=mode)
+        name = runs_dram_name(timeline)
+        ax2.plot(t, np.array([r.get("pool_bytes", {}).get(name, 0) for r in timeline]) / MIB, lw=2, color=colors.get(mode), label=mode)
+    ax1.set_ylim(0, 105)
+    ax1.set_ylabel("block reads served\nfrom DRAM (%, 10 s mean)")
+    ax1.set_title("kvtier demo: the same workload with kvtier, the kernel's tiering, and neither")
+    ax1.legend(loc="lower right", fontsize=8)
+    ax1.grid(alpha=0.3)
+    ax2.set_ylabel("KV pool bytes in DRAM (MiB)")
+    ax2.set_xlabel("seconds since the workload started")
+    ax2.legend(loc="upper left", fontsize=8)
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def runs_dram_name(timeline: list[dict]) -> str:
+    return timeline[0].get("dram", "dram") if timeline else "dram"
+
+
+def comparison_markdown(rows: list[dict], meta: dict) -> list[str]:
+    lines = [
+        "# kvtier demo report",
+        "",
+        f"Machine: {'QEMU guest (TCG)' if meta.get('in_vm') else 'this host'}. The same workload (same seed) ran "
+        f"once per mode, {meta.get('duration_s', '?'):.0f} s each, its {meta.get('pool_mib', '?')} MiB KV pool "
+        f"starting on the slow node, with {meta.get('dram_free_mib', '?')} MiB of DRAM free in every mode "
+        f"(kvtier's DRAM target: {int(meta['budgets']['0']) // MIB if meta.get('budgets') else '?'} MiB).",
+        "",
+        "| mode | DRAM share, first 3 s | DRAM share, whole run | DRAM share, last 30 s | bytes moved (kernel counters) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['mode']} | {_pct(r['first'])} | {_pct(r['mean'])} | {_pct(r['last30'])} | "
+                     f"{r['moved'] / MIB:.0f} MiB |")
+    lines += [
+        "",
+        "DRAM share: of the block reads in each second, the share whose block the kernel had in DRAM at the",
+        "start of that second (move_pages + pagemap, measured by the workload). Bytes moved: pages migrated",
+        "plus pages swapped out and in (/proc/vmstat pgmigrate_success + pswpout + pswpin) during the run.",
+        "",
+        "![comparison](comparison.png)",
+        "",
+    ]
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", type=Path, required=True, help="the driver's --out directory")
     ap.add_argument("--out", type=Path, required=True, help="where report.md and placement.png go")
     a = ap.parse_args(argv)
-    timeline, meta, summary = load(a.run)
+    modes_file = a.run / "modes.json"
+    if modes_file.exists():
+        return main_modes(a, json.loads(modes_file.read_text())["modes"])
+    return main_single(a, a.run, [])
+
+
+def main_modes(a, modes: list[str]) -> int:
+    runs, rows, meta = {}, [], {}
+    for mode in modes:
+        timeline, m, summary = load(a.run / mode)
+        if not timeline:
+            print(f"report: {a.run / mode / 'timeline.jsonl'} is empty: the {mode} run recorded nothing",
+                  file=sys.stderr)
+            return 1
+        dram = m["tiers"][0]["name"] if m.get("tiers") else "dram"
+        for r in timeline:
+            r["dram"] = dram
+        runs[mode] = timeline
+        rows.append(mode_row(mode, timeline, summary))
+        meta = meta or m
+    a.out.mkdir(parents=True, exist_ok=True)
+    plot_comparison(runs, a.out / "comparison.png")
+    head = comparison_markdown(rows, meta)
+    if "kvtier" in modes:
+        return main_single(a, a.run / "kvtier", head)
+    md = "\n".join(head)
+    (a.out / "report.md").write_text(md)
+    print(md)
+    return 0
+
+
+def main_single(a, run: Path, head: list[str]) -> int:
+    timeline, meta, summary = load(run)
     if not timeline:
-        print(f"report: {a.run / 'timeline.jsonl'} is empty: the workload recorded nothing", file=sys.stderr)
+        print(f"report: {run / 'timeline.jsonl'} is empty: the workload recorded nothing", file=sys.stderr)
         return 1
-    metrics = parse_metrics(a.run / "metrics.txt")
+    metrics = parse_metrics(run / "metrics.txt")
     a.out.mkdir(parents=True, exist_ok=True)
     plot(timeline, meta, a.out / "placement.png")
     md = markdown(timeline, meta, summary, metrics, "placement.png")
+    if head:
+        md = "\n".join(head) + "\n" + md.replace("# kvtier demo report", "## The kvtier run in detail", 1)
     (a.out / "report.md").write_text(md)
     print(md)
     return 0

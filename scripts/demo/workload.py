@@ -28,6 +28,13 @@ many block reads found their block in each tier: the hot-set residency the
 demo plots. One JSON line per second goes to ``--timeline``; a one-line
 status goes to stdout.
 
+Without a daemon (``--no-daemon``, the demo's baselines: no tiering, and the
+kernel's own numa_balancing=2) the same workload runs unchanged except that
+nothing is registered or hinted; the tiers it measures against come from
+``--tiers-json``. Bytes moved are counted the same way in every mode, from
+the kernel: /proc/vmstat pages migrated (pgmigrate_success) plus pages
+swapped out and in (pswpout, pswpin), as deltas since the workload started.
+
 ``--start-node N`` first-touches the pool on NUMA node N (MPOL_PREFERRED),
 i.e. the pool starts in a capacity tier and kvtier must bring the hot set
 up into DRAM; without it the pool starts wherever the kernel puts it.
@@ -36,6 +43,7 @@ up into DRAM; without it the pool starts wherever the kernel puts it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import mmap
 import os
@@ -52,6 +60,32 @@ from kvtier.kernel.migrator import Migrator
 
 MIB = 1 << 20
 PAGE = os.sysconf("SC_PAGE_SIZE")
+VMSTAT = "/proc/vmstat"
+# Every page any mechanism moved: migrations (move_pages, NUMA balancing
+# promotion, kswapd demotion all count in pgmigrate_success) and swap I/O.
+MOVED_PAGE_COUNTERS = ("pgmigrate_success", "pswpout", "pswpin")
+
+
+def kernel_moved_pages() -> int:
+    with open(VMSTAT) as f:
+        counts = dict(line.split() for line in f)
+    return sum(int(counts.get(k, 0)) for k in MOVED_PAGE_COUNTERS)
+
+
+class _NoRegion:
+    """Stands in for a registered region when no daemon runs: the baselines
+    do exactly the same reads and writes, they just tell nobody."""
+
+    id = None
+
+    def phase(self, *_a, **_k) -> None:
+        pass
+
+    def hint(self, *_a, **_k) -> None:
+        pass
+
+    def unregister(self) -> None:
+        pass
 
 
 @dataclass
@@ -116,7 +150,7 @@ class Pool:
 
 
 class Workload:
-    def __init__(self, args: argparse.Namespace, client: Client):
+    def __init__(self, args: argparse.Namespace, client: Client | None):
         self.a = args
         self.rng = np.random.default_rng(args.seed)
         self.pool = Pool(args.pool_mib * MIB, args.block_mib * MIB, args.prefix_blocks)
@@ -124,8 +158,12 @@ class Workload:
             self.pool.prefer(args.start_node)
         self.pool.fill()
         self.client = client
-        self.region = client.register(addr=self.pool.addr, length=self.pool.size, block_size=self.pool.block,
-                                      name="kv-pool", tenant="demo")
+        if client is None:
+            self.region = _NoRegion()
+        else:
+            self.region = client.register(addr=self.pool.addr, length=self.pool.size,
+                                          block_size=self.pool.block, name="kv-pool", tenant="demo")
+        self.moved_pages0 = kernel_moved_pages()
         self.migrator = Migrator()
         self.starts = (np.arange(self.pool.nblocks, dtype=np.uint64) * np.uint64(self.pool.block)
                        + np.uint64(self.pool.addr))
@@ -204,7 +242,7 @@ class Workload:
         t0 = time.time()
         next_sample = t0 + 1.0
         next_step = t0
-        tiers = self.client.request("tiers")["tiers"]
+        tiers = self.tiers()
         names = [t["name"] for t in tiers]
         where = self.measure(tiers)
         steps = 0
@@ -227,9 +265,16 @@ class Workload:
                 time.sleep(delay)
             else:
                 next_step = time.time()  # running behind (TCG): do not burst
-        self.client.flush()
+        if self.client is not None:
+            self.client.flush()
         return {"elapsed_s": time.time() - t0, "sessions_started": self.next_sid - 1,
                 "sessions_finished": self.finished, "sessions_rejected": self.rejected}
+
+    def tiers(self) -> list[dict]:
+        if self.client is not None:
+            return self.client.request("tiers")["tiers"]
+        with open(self.a.tiers_json) as f:
+            return json.load(f)
 
     def measure(self, tiers: list[dict]) -> np.ndarray:
         """Tier index of each block from the kernel (move_pages + pagemap):
@@ -250,7 +295,8 @@ class Workload:
         start, then measure the placement for the next one."""
         reads = self.interval_reads
         self.interval_reads = np.zeros_like(reads)
-        self.client.flush()
+        if self.client is not None:
+            self.client.flush()
         by_tier: dict[str, int] = {}
         for tier in np.unique(where):
             by_tier[_tier_name(names, int(tier))] = int(reads[where == tier].sum())
@@ -258,8 +304,8 @@ class Workload:
         hot = reads > 0
         hot_bytes = int(hot.sum()) * self.pool.block
         hot_dram = int((hot & (where == 0)).sum()) * self.pool.block
-        daemon_tiers = self.client.request("tiers")["tiers"]
-        stats = self.client.stats()
+        daemon_tiers = self.client.request("tiers")["tiers"] if self.client is not None else []
+        stats = self.client.stats() if self.client is not None else {}
         now_where = self.measure(tiers)
         rec = {
             "t": round(t, 2),
@@ -276,10 +322,11 @@ class Workload:
             "tier_bytes": {d["name"]: d["kvtier_bytes"] for d in daemon_tiers},
             "migrated_bytes": stats.get("migrated_bytes", {}),
             "migration_failed_pages": stats.get("migration_failed_pages", {}),
+            "kernel_moved_bytes": (kernel_moved_pages() - self.moved_pages0) * PAGE,
         }
         timeline.write(json.dumps(rec) + "\n")
         timeline.flush()
-        moved = sum(rec["migrated_bytes"].values())
+        moved = rec["kernel_moved_bytes"]
         occ = "  ".join(f"{n} {rec['pool_bytes'].get(n, 0) / MIB:3.0f}" for n in names)
         res = "  -" if rec["residency"] is None else f"{100 * rec['residency']:3.0f}%"
         print(f"[{t:5.0f}s] sessions {len(self.sessions):2d}  hot set {hot_bytes / MIB:4.0f} MiB, "
@@ -302,6 +349,9 @@ def _range(text: str) -> tuple[int, int]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--socket", help="kvtierd socket (default $KVTIER_SOCKET)")
+    ap.add_argument("--no-daemon", action="store_true",
+                    help="baseline run: register nothing, send no hints (needs --tiers-json)")
+    ap.add_argument("--tiers-json", help="with --no-daemon: the tiers to measure against (kvtierd's tiers list)")
     ap.add_argument("--timeline", required=True, help="JSON lines, one per second")
     ap.add_argument("--summary", help="JSON summary at the end")
     ap.add_argument("--duration", type=float, default=180.0, help="seconds of serving")
@@ -323,12 +373,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.no_daemon and not args.tiers_json:
+        print("workload: --no-daemon needs --tiers-json", file=sys.stderr)
+        return 2
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
-    with Client(args.socket, name="kvtier demo workload") as client, open(args.timeline, "w") as timeline:
+    with contextlib.ExitStack() as stack:
+        client = None if args.no_daemon else stack.enter_context(Client(args.socket, name="kvtier demo workload"))
+        timeline = stack.enter_context(open(args.timeline, "w"))
         w = Workload(args, client)
         summary = w.run(timeline, stop)
-        summary.update(pool_bytes=w.pool.size, block_bytes=w.pool.block, region=w.region.id)
+        summary.update(pool_bytes=w.pool.size, block_bytes=w.pool.block, region=w.region.id,
+                       kernel_moved_bytes=(kernel_moved_pages() - w.moved_pages0) * PAGE)
         w.region.unregister()
     if args.summary:
         with open(args.summary, "w") as f:

@@ -31,10 +31,12 @@ def test_demo_brings_the_hot_set_into_dram(tmp_path):
     out = tmp_path / "demo"
     r = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "demo" / "driver.py"), "--out", str(out),
-         "--run-dir", str(tmp_path / "run"), "--duration", str(SECONDS)],
+         "--run-dir", str(tmp_path / "run"), "--duration", str(SECONDS), "--modes", "kvtier"],
         capture_output=True, text=True, timeout=SECONDS + scaled(180),
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    status = (out / "status.log").read_text()
+    out = out / "kvtier"
     timeline = [json.loads(line) for line in (out / "timeline.jsonl").read_text().splitlines()]
     assert len(timeline) >= 10
     meta = json.loads((out / "run.json").read_text())
@@ -58,5 +60,4 @@ def test_demo_brings_the_hot_set_into_dram(tmp_path):
              if name == "kvtier_migrated_bytes_total" and dict(labels)["dst"] == dram)
     assert up >= 8 * MIB
     # The workload's status lines went to the console log the host tails.
-    status = (out / "status.log").read_text()
     assert "reads served from" in status and "workload exited 0" in status
