@@ -263,6 +263,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None,
     frames = 1 if args.once else args.count
     prev: Sample | None = None
     drawn = 0
+    interrupted = False
     try:
         if live:
             out.write(ALT_ON)
@@ -288,6 +289,10 @@ def run(args: argparse.Namespace, out: TextIO | None = None,
                 return 0
             time.sleep(args.interval)
     except KeyboardInterrupt:
+        # Ctrl-C may land between a request and its answer: the stream is
+        # then mid-frame, and draining it (what close() does) could wait
+        # for an answer that no longer lines up. Drop the connection.
+        interrupted = True
         return 0
     except BrokenPipeError:  # kvtierctl top | head
         live = False
@@ -296,7 +301,10 @@ def run(args: argparse.Namespace, out: TextIO | None = None,
         if live:
             out.write(ALT_OFF)
             out.flush()
-        client.close()
+        if interrupted:
+            client.close_socket()
+        else:
+            client.close()
 
 
 def main(argv: list[str] | None = None) -> int:
