@@ -35,7 +35,7 @@ nothing is registered or hinted; the tiers it measures against come from
 the kernel: /proc/vmstat pages migrated (pgmigrate_success) plus pages
 swapped out and in (pswpout, pswpin), as deltas since the workload started.
 
-``--start-node N`` first-touches the pool on NUMA node N (MPOL_PREFERRED),
+``--start-node N`` moves the whole pool to NUMA node N after filling it,
 i.e. the pool starts in a capacity tier and kvtier must bring the hot set
 up into DRAM; without it the pool starts wherever the kernel puts it.
 """
@@ -125,15 +125,15 @@ class Pool:
     def addr(self) -> int:
         return self.arr.ctypes.data
 
-    def prefer(self, node: int) -> None:
-        # Preferred, not bound: a page faulted back in from swap may land
-        # anywhere, and kvtier (not the VMA policy) decides where it stays.
-        # Not interleaved: blocks must start whole on one node, or every
-        # block would straddle tiers.
-        native.mbind(self.addr, self.size, native.MPOL_PREFERRED, [node])
-
-    def default_policy(self) -> None:
-        native.mbind(self.addr, self.size, native.MPOL_DEFAULT, [])
+    def place(self, node: int) -> None:
+        """Move every page of the pool to ``node`` (move_pages), leaving no
+        memory policy behind. Not mbind: in the guest (6.12) a process that
+        had mbind(2) applied to a range was never scanned by NUMA balancing
+        again (numa_pte_updates stayed 0, even after MPOL_DEFAULT), which
+        would rig the numa_balancing baseline; a policy naming the slow
+        node would also tell the kernel the pages belong there."""
+        page_addrs = self.addr + np.arange(self.size // PAGE, dtype=np.uint64) * np.uint64(PAGE)
+        native.move_pages(os.getpid(), page_addrs, node)
 
     def fill(self) -> None:
         # Touch every page so the whole pool is resident from the start
@@ -163,16 +163,9 @@ class Workload:
         self.a = args
         self.rng = np.random.default_rng(args.seed)
         self.pool = Pool(args.pool_mib * MIB, args.block_mib * MIB, args.prefix_blocks)
-        if args.start_node is not None:
-            self.pool.prefer(args.start_node)
         self.pool.fill()
         if args.start_node is not None:
-            # First touch only: a VMA policy naming the slow node would also
-            # be the kernel's answer to "where does this page belong", and
-            # NUMA balancing never promotes a page already on its policy's
-            # node. Dropping it leaves the pages where they are and every
-            # mode free to move them.
-            self.pool.default_policy()
+            self.pool.place(args.start_node)
         self.client = client
         if client is None:
             self.region = _NoRegion()
@@ -382,7 +375,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-sessions", type=int, default=6)
     ap.add_argument("--arrival-rate", type=float, default=1.0, help="sessions per second")
     ap.add_argument("--step-rate", type=float, default=10.0, help="decode steps per second")
-    ap.add_argument("--start-node", type=int, help="first-touch the pool on this NUMA node")
+    ap.add_argument("--start-node", type=int, help="move the filled pool to this NUMA node (it starts there)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--read-stride", type=int, default=64,
                     help="bytes between the bytes a block read touches (64: every cache line; 4096: every page)")
