@@ -15,7 +15,9 @@ stay where they were. Everything here runs on the event-loop thread.
 
 from __future__ import annotations
 
+
 import logging
+import mmap
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -133,7 +135,8 @@ class EngineMoves:
         st.migrations[(s, d)] += int(moved.sum())
         st.migrated_bytes[(s, d)] += int(p.nbytes[moved].sum())
         if (~okb).any():
-            st.migration_failures[(s, d, "engine")] += int((~okb).sum())
+            # Failures are counted in pages, as for kernel moves (one unit per metric).
+            st.migration_failed_pages[(s, d, "engine")] += int(p.nbytes[~okb].sum()) // mmap.PAGESIZE
             logs.event(log, "engine_move_failed", logging.WARNING, region=p.region, move=move_id,
                        blocks_failed=int((~okb).sum()), error=error)
         st.observe_engine_move(now - p.sent_at)

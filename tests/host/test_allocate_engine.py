@@ -116,7 +116,7 @@ def test_hot_blocks_end_in_the_engines_dram_pool_with_data_intact(swapfile, work
             assert st["engine_move_seconds_hist"]["count"] >= 1
             # The daemon never measured or migrated pages for it: the engine
             # region's blocks have no F_NOT_PRESENT / F_STALE and no kernel failures.
-            assert not any(k.endswith(":engine") for k in st["migration_failures"])
+            assert not any(k.endswith(":engine") for k in st["migration_failed_pages"])
             # A wrong answer is refused, and nothing is recorded for it.
             with pytest.raises(Exception) as e:
                 c.call(protocol.MoveDone(move=10 ** 9, ok=b"\1"))
