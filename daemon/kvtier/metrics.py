@@ -39,7 +39,11 @@ from prometheus_client.core import (
     InfoMetricFamily,
     Metric,
 )
-from prometheus_client.exposition import start_http_server
+import http.server
+import socket
+from concurrent.futures import ThreadPoolExecutor
+
+from prometheus_client.exposition import MetricsHandler
 
 from kvtier import __version__, ages, protocol
 from kvtier.blocks import F_MANUAL_PIN, F_UNMOVABLE, TIER_MIXED, TIER_UNKNOWN, BlockTable
@@ -472,6 +476,64 @@ def _num(v: float) -> float:
 # the HTTP exporter
 
 
+# The exporter is reachable by any local user (and beyond if address is not
+# loopback): a fixed pool of handler threads with a socket timeout, and a
+# bounded queue of accepted connections, instead of a thread per connection.
+HTTP_WORKERS = 4
+HTTP_QUEUE = 32
+HTTP_TIMEOUT = 5.0
+
+
+class BoundedHTTPServer(http.server.HTTPServer):
+    """HTTPServer whose requests run on HTTP_WORKERS threads. A connection is
+    closed at once when HTTP_QUEUE are already waiting, and each one may
+    take at most HTTP_TIMEOUT seconds per read or write, so idle or slow
+    clients cost a bounded number of threads and fds, never one each."""
+
+    daemon_threads = True
+    request_queue_size = 128
+
+    def __init__(self, addr, handler):
+        family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
+        self.address_family = family
+        super().__init__(addr, handler)
+        self.pool = ThreadPoolExecutor(max_workers=HTTP_WORKERS, thread_name_prefix="kvtier-metrics")
+        self.waiting = 0
+        self.refused = 0
+        self.lock = threading.Lock()
+
+    def process_request(self, request, client_address):
+        with self.lock:
+            if self.waiting >= HTTP_QUEUE:
+                self.refused += 1
+                self.shutdown_request(request)
+                return
+            self.waiting += 1
+        request.settimeout(HTTP_TIMEOUT)
+        self.pool.submit(self._serve, request, client_address)
+
+    def _serve(self, request, client_address):
+        try:
+            self.finish_request(request, client_address)
+        except Exception:  # a client that hung up or timed out
+            pass
+        finally:
+            self.shutdown_request(request)
+            with self.lock:
+                self.waiting -= 1
+
+    def server_close(self):
+        super().server_close()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _Handler(MetricsHandler):
+    timeout = HTTP_TIMEOUT
+
+    def log_message(self, format, *args):  # no line per scrape on stderr
+        pass
+
+
 class MetricsExporter:
     """Serves ``Collector`` plus process metrics over HTTP on ``address:port``.
 
@@ -514,8 +576,11 @@ class MetricsExporter:
         """Bind and serve on a daemon thread; OSError (EADDRINUSE...) propagates."""
         if self._server is not None:
             return
-        self._server, self._thread = start_http_server(self.port, addr=self.address, registry=self.registry)
-        self.port = self._server.server_address[1]
+        server = BoundedHTTPServer((self.address, self.port), _Handler.factory(self.registry))
+        self._server = server
+        self._thread = threading.Thread(target=server.serve_forever, name="kvtier-metrics-accept", daemon=True)
+        self._thread.start()
+        self.port = server.server_address[1]
 
     def stop(self, timeout: float = 5.0) -> None:
         if self._server is None:

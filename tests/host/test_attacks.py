@@ -591,3 +591,58 @@ def test_client_without_daemon_fails_at_once_and_retried_register_learns_the_id(
     finally:
         buf.close()
         assert d.stop() == 0
+
+
+def test_idle_metrics_connections_cost_no_thread_each(workdir):
+    """Defect 7: 300 idle TCP connections to the exporter leave the daemon's
+    thread count bounded (a fixed pool), and a scrape works again once the
+    idle ones time out or go."""
+    import urllib.request
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    port = free_port()
+    d = DaemonProc(workdir)
+    d.write_config(f"""
+        [metrics]
+        enabled = true
+        address = "127.0.0.1"
+        port = {port}
+        """)
+    # The base config turns metrics off; this test's table replaces it.
+    text = open(d.config).read().replace("[metrics]\nenabled = false\n", "", 1)
+    open(d.config, "w").write(text)
+    d.start()
+
+    def threads() -> int:
+        with open(f"/proc/{d.proc.pid}/status") as f:
+            return int(next(ln for ln in f if ln.startswith("Threads:")).split()[1])
+
+    url = f"http://127.0.0.1:{port}/metrics"
+    try:
+        assert b"kvtier_" in urllib.request.urlopen(url, timeout=10).read()
+        base = threads()
+        idle = []
+        for _ in range(300):
+            s = socket.create_connection(("127.0.0.1", port))
+            idle.append(s)
+        time.sleep(1.0)
+        assert threads() <= base + 8, f"{threads()} threads with 300 idle connections (was {base})"
+        for s in idle:
+            s.close()
+        body = wait_for(lambda: _scrape(url), "a scrape to succeed again")
+        assert b"kvtier_connections" in body
+    finally:
+        assert d.stop() == 0
+
+
+def _scrape(url: str) -> bytes | None:
+    import urllib.request
+
+    try:
+        return urllib.request.urlopen(url, timeout=5).read()
+    except OSError:
+        return None
