@@ -8,6 +8,8 @@ line, answering one line each:
     sum                 sha256 of the whole pool (touches every page)
     touch OFF LEN       read one byte per page of [OFF, OFF+LEN)
     write OFF LEN BYTE  fill [OFF, OFF+LEN) with BYTE
+    mlock OFF LEN       mlock(2) [OFF, OFF+LEN) (munlock OFF LEN undoes it)
+    share OFF LEN       fork a process that maps [OFF, OFF+LEN) too, until exit
     exit                quit
 """
 
@@ -24,6 +26,8 @@ import numpy as np
 
 MADV_HUGEPAGE = 14
 MADV_NOHUGEPAGE = 15
+MADV_DONTFORK = 10
+MADV_DOFORK = 11
 
 
 def main() -> None:
@@ -42,6 +46,7 @@ def main() -> None:
         n = min(step, size - off)
         arr[off : off + n] = rng.integers(0, 256, n, dtype=np.uint8)
     page = os.sysconf("SC_PAGE_SIZE")
+    sharers: list[int] = []  # pipe ends that keep forked sharers alive
     print(f"ready {addr} {size}", flush=True)
     for line in sys.stdin:
         cmd = line.split()
@@ -56,6 +61,28 @@ def main() -> None:
         elif cmd[0] == "write":
             off, ln, b = int(cmd[1]), int(cmd[2]), int(cmd[3])
             arr[off : off + ln] = b
+            print("ok", flush=True)
+        elif cmd[0] in ("mlock", "munlock"):
+            off, ln = int(cmd[1]), int(cmd[2])
+            libc = ctypes.CDLL(None, use_errno=True)
+            fn = libc.mlock if cmd[0] == "mlock" else libc.munlock
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+            rc = fn(addr + off, ln)
+            print("ok" if rc == 0 else f"error {os.strerror(ctypes.get_errno())}", flush=True)
+        elif cmd[0] == "share":
+            # A forked process maps [OFF, OFF+LEN) too (copy-on-write, as a
+            # forked worker would): MADV_PAGEOUT skips pages mapped twice.
+            off, ln = int(cmd[1]), int(cmd[2])
+            buf.madvise(MADV_DONTFORK, 0, size)
+            buf.madvise(MADV_DOFORK, off, ln)
+            r, w = os.pipe()
+            if os.fork() == 0:
+                os.close(w)
+                os.read(r, 1)  # until the parent exits
+                os._exit(0)
+            os.close(r)
+            sharers.append(w)
+            buf.madvise(MADV_DOFORK, 0, size)
             print("ok", flush=True)
         elif cmd[0] == "exit":
             print("bye", flush=True)

@@ -372,9 +372,39 @@ class Migrator:
         pidfd = native.pidfd_open(pid)
         try:
             native.process_madvise(pidfd, self._iov(layout), native.MADV_PAGEOUT, f"pageout pid={pid}")
+            stuck = self._stuck_pages(pid, layout)
+            if len(stuck):
+                # Pages still in a CPU's LRU add batch are not on the LRU yet,
+                # so MADV_PAGEOUT cannot isolate them and skips them, and
+                # asking again skips them again: typically the last dozen
+                # pages the owner wrote. move_pages drains every CPU's batch
+                # (lru_cache_disable) before it migrates; moving the pages to
+                # the node they are on changes nothing else, and the second
+                # pageout then takes them (measured: 2-10 stuck pages in ~3% of
+                # fresh 26 MiB pageouts, none after this).
+                addrs = np.ascontiguousarray(layout.addrs[stuck])
+                nodes = native.move_pages(pid, addrs, None)
+                addrs, nodes = np.ascontiguousarray(addrs[nodes >= 0]), nodes[nodes >= 0]
+                if len(addrs):
+                    native.move_pages(pid, addrs, nodes)
+                    native.process_madvise(pidfd, native.iovecs(*self._page_runs(addrs)),
+                                           native.MADV_PAGEOUT, f"pageout retry pid={pid}")
         finally:
             os.close(pidfd)
         return self._swap_result("pageout", layout, pid, t0)
+
+    def _stuck_pages(self, pid: int, layout: PageLayout) -> np.ndarray:
+        """Indices of the layout's pages still present and not in swap."""
+        pm = self._pagemap(pid, layout)
+        return np.flatnonzero(((pm & PM_PRESENT) != 0) & ((pm & PM_SWAP) == 0))
+
+    def _page_runs(self, addrs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(start, length) of each run of adjacent pages in sorted ``addrs``."""
+        ps = np.uint64(self.page_size)
+        breaks = np.flatnonzero(np.diff(addrs) != ps) + 1
+        first = np.concatenate(([0], breaks))
+        npages = np.diff(np.concatenate((first, [len(addrs)])))
+        return addrs[first], npages.astype(np.uint64) * ps
 
     def _swap_result(self, op: str, layout: PageLayout, pid: int, t0: float) -> MoveResult:
         pm = self._pagemap(pid, layout)
