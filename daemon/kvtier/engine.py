@@ -111,6 +111,7 @@ class MoveJob:
     ok: np.ndarray | None = None
     unmovable: np.ndarray | None = None
     failures: collections.Counter = field(default_factory=collections.Counter)  # (src, dst, errno) -> pages
+    measured_tier: np.ndarray | None = None  # failed moves, re-measured after the move (-1: not)
     seconds: float = 0.0
 
 
@@ -147,6 +148,20 @@ class CollectJob:
     cost: dict = field(default_factory=dict)  # source name -> (daemon CPU s, kernel CPU s)
 
 
+def _dominant_tier(r: Any, lut: np.ndarray, ntiers: int, swap_index: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """(tier holding most of each block's pages or TIER_UNKNOWN, some page
+    present or swapped) from a migrator Residency: the next move takes all
+    of a block's pages to one tier, so the block belongs to its majority."""
+    per_tier = np.zeros((r.node_pages.shape[0], ntiers + 1), dtype=np.int64)
+    for node in range(min(r.node_pages.shape[1], lut.size)):
+        if lut[node] >= 0:
+            per_tier[:, lut[node]] += r.node_pages[:, node]
+    if swap_index is not None:
+        per_tier[:, swap_index] += r.swapped
+    total = per_tier.sum(axis=1)
+    return np.where(total > 0, per_tier.argmax(axis=1), TIER_UNKNOWN).astype(np.int8), total > 0
+
+
 class _Worker:
     """One thread, one job at a time."""
 
@@ -154,6 +169,7 @@ class _Worker:
         self.name = name
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kvtier-{name}")
         self.future: Future | None = None
+        self.job: Any = None  # the job in flight
 
     @property
     def busy(self) -> bool:
@@ -551,10 +567,12 @@ class Engine:
     def _submit(self, worker: _Worker, run, finish, job) -> None:
         fut = worker.executor.submit(run, job)
         worker.future = fut
+        worker.job = job
         loop = self.loop
 
         def done(f: Future) -> None:
             worker.future = None
+            worker.job = None
             exc = f.exception()
             if exc is not None:
                 self.stats.tick_errors_total += 1
@@ -671,7 +689,30 @@ class Engine:
                            dst=int(dst), blocks=int(sel.size), blocks_failed=int((~res.block_ok).sum()),
                            blocks_unmovable=int(res.block_unmovable.sum()),
                            errors=",".join(f"{k}:{v}" for k, v in sorted(res.errors.items())))
+        self._remeasure_failed(job)
         job.seconds = time.monotonic() - t0
+
+    def _remeasure_failed(self, job: MoveJob) -> None:
+        """Where the blocks whose move failed or was partial really are,
+        measured right after the move on this thread: the next plan must not
+        see such a block in its old tier (a pageout that left a few pages
+        behind, counted "in DRAM", made the plan evict a hot block for room
+        that was already free)."""
+        job.measured_tier = np.full(job.region.size, TIER_UNKNOWN, dtype=np.int8)
+        failed = ~job.ok
+        if self.migrator.dry_run or not failed.any():
+            return
+        topo = self.topology
+        swap = topo.swap_tier
+        lut, ntiers = topo.node_tier_lut(), len(topo.tiers)
+        for pid in np.unique(job.pid[failed]):
+            sel = np.flatnonzero(failed & (job.pid == pid))
+            try:
+                r = self.migrator.residency(int(pid), job.addr[sel], job.nbytes[sel])
+            except (KvtierError, OSError) as e:
+                log.debug("residency after a failed move, pid %d: %s", pid, e)
+                continue
+            job.measured_tier[sel] = _dominant_tier(r, lut, ntiers, None if swap is None else swap.index)[0]
 
     def _finish_move(self, job: MoveJob) -> None:
         st = self.stats
@@ -684,8 +725,17 @@ class Engine:
         mv = np.flatnonzero(live)
         if mv.size:
             pol.record_results(t, rows[mv], job.ok[mv], job.unmovable[mv], now, self.policy_cfg, dst=job.dst[mv])
-            # A failed or partial move leaves pages wherever they are: measure.
-            t.flags[rows[mv][~job.ok[mv]]] |= np.uint8(F_STALE)
+            # A failed or partial move leaves pages wherever they are: the
+            # mover measured them; what it could not measure is measured next.
+            failed = mv[~job.ok[mv]]
+            measured = job.measured_tier[failed] if job.measured_tier is not None else np.zeros(0, np.int8)
+            seen = measured >= 0
+            t.tier[rows[failed[seen]]] = measured[seen]
+            # Most of such a block's pages did move: a measurement started
+            # before the move must not put it back (_finish_measure compares
+            # last_move with its start).
+            t.last_move[rows[failed[seen]]] = now
+            t.flags[rows[failed[~seen]]] |= np.uint8(F_STALE)
             okm = job.ok[mv]
             pairs = np.stack([job.src[mv], job.dst[mv]], axis=1)[okm].astype(np.int64)
             nb = job.nbytes[mv][okm].astype(np.int64)
@@ -848,18 +898,7 @@ class Engine:
                     log.debug("residency of pid %d: %s", pid, e)
                 else:
                     pages += int(r.pages.sum())
-                    # Pages per tier; a block belongs to the tier holding most of
-                    # its pages (the next move takes all of its pages there).
-                    per_tier = np.zeros((sel.size, ntiers + 1), dtype=np.int64)
-                    nodes = min(r.node_pages.shape[1], lut.size)
-                    for node in range(nodes):
-                        if lut[node] >= 0:
-                            per_tier[:, lut[node]] += r.node_pages[:, node]
-                    if job.swap_index is not None:
-                        per_tier[:, job.swap_index] += r.swapped
-                    total = per_tier.sum(axis=1)
-                    job.present[sel] = total > 0
-                    job.measured_tier[sel] = np.where(total > 0, per_tier.argmax(axis=1), TIER_UNKNOWN)
+                    job.measured_tier[sel], job.present[sel] = _dominant_tier(r, lut, ntiers, job.swap_index)
             sel = np.flatnonzero(mine & ~job.full)
             if sel.size:
                 addrs = job.window[sel]
@@ -888,9 +927,15 @@ class Engine:
         st.residency_full_blocks_total += int(job.full.sum())
         t = self.table
         rows = t.rows_of(job.region, job.index)
-        # A move that finished after this measurement started knows better.
+        # A move that finished after this measurement started knows better,
+        # and so does one still running: the measurement may have caught its
+        # blocks half-way (pages already in DRAM before the move's result
+        # was recorded read as "paged in", without a migration counted).
         live = rows >= 0
         live[live] = t.last_move[rows[live]] < job.started
+        moving = self.mover.job
+        if moving is not None:
+            live &= ~np.isin(rows, t.rows_of(moving.region, moving.index))
         flags = t.flags
         ms = np.flatnonzero(job.full & live)
         if ms.size:

@@ -198,7 +198,7 @@ def test_partly_failed_pageout_does_not_evict_a_hot_block(kvtierd):
     """A cold block whose pageout leaves a few pages behind is where most of
     its pages went (swap), not in DRAM: counting it in DRAM made the next
     plan evict a hot block for room that was already free (the
-    once-in-twenty share of 0.667 above, when the last pages the child
+    once-in-twenty access ratio of 0.667 above, when the last pages the child
     wrote were still in a CPU's LRU batch). Here a forked sharer keeps four
     pages of block 15 in DRAM the same way, every run, and the pageout
     comes from a reload that lowers the DRAM budget once every block has
@@ -224,9 +224,9 @@ def test_partly_failed_pageout_does_not_evict_a_hot_block(kvtierd):
             return s if s.value("kvtier_tier_bytes", tier="dram") == 3 * BLOCK else None
 
         m = wait_for(settled_out, "the cold blocks to be paged out")
-        assert m.value("kvtier_migration_failures_total", src="dram", dst="swap", reason="NOT_PAGED_OUT") == 4
+        assert m.value("kvtier_migration_failed_pages_total", src="dram", dst="swap", reason="NOT_PAGED_OUT") == 4
         assert list(region.query()) == [0, 0, 0] + [1] * 13
-        assert m.value("kvtier_tier_access_share", tier="dram") > 0.9
+        assert m.value("kvtier_tier_access_ratio", tier="dram") > 0.9
 
 
 def reload(kvtierd, n: int) -> None:
