@@ -12,11 +12,25 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
 
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
 def pytest_collection_modifyitems(config, items):
+    # Outside CI a developer without root gets skips; under CI a host test
+    # that cannot run is a failure, never a silent skip (as the vm tests).
+    if os.geteuid() == 0 or _in_ci():
+        return
     here = os.path.dirname(__file__)
     for item in items:
-        if str(item.fspath).startswith(here) and os.geteuid() != 0:
+        if str(item.fspath).startswith(here):
             item.add_marker(pytest.mark.skip(reason="host integration tests need root"))
+
+
+@pytest.fixture(autouse=True)
+def _root_under_ci():
+    if os.geteuid() != 0:
+        pytest.fail("host integration tests need root (CI: not skipping)")
 
 
 @pytest.fixture(scope="session")
