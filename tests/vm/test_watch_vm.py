@@ -27,7 +27,7 @@ import pytest
 from kvtier.client import Client
 from kvtier.kernel import topology
 from kvtier.kernel.migrator import Migrator
-from vmhelpers import DRAM_NODE, FAR_NODE, scaled_count
+from vmhelpers import DRAM_NODE, FAR_NODE, scaled, scaled_count
 
 pytestmark = pytest.mark.vm
 
@@ -92,18 +92,18 @@ def test_unmodified_program_is_adopted_and_tiered_by_damon(tmp_path):
     report = {}
     try:
         data = int(prog.stdout.readline())  # where the pool's bytes start
-        end = time.monotonic() + 60
+        end = time.monotonic() + scaled(60)
         while not sock.exists():
             assert d.poll() is None and time.monotonic() < end, log.read_text()[-3000:]
             time.sleep(0.1)
-        c = Client(str(sock), name="test_watch_vm")
+        c = Client(str(sock), name="test_watch_vm", timeout=scaled(60))
 
         def mine():
             return [r for r in c.request("regions")["regions"] if r["pid"] == prog.pid]
 
         t0 = time.monotonic()
         while not mine():
-            assert time.monotonic() - t0 < 60, log.read_text()[-3000:]
+            assert time.monotonic() - t0 < scaled(60), log.read_text()[-3000:]
             time.sleep(0.2)
         (r,) = mine()
         assert r["adopted_by"] == "plain" and r["tenant"] == "zero-int" and r["length"] >= POOL - BLOCK
@@ -133,7 +133,7 @@ def test_unmodified_program_is_adopted_and_tiered_by_damon(tmp_path):
         prog.wait()
         t0 = time.monotonic()
         while mine():
-            assert time.monotonic() - t0 < 30, "the exited program's regions stayed"
+            assert time.monotonic() - t0 < scaled(30), "the exited program's regions stayed"
             time.sleep(0.1)
         c.close()
     finally:
@@ -141,7 +141,7 @@ def test_unmodified_program_is_adopted_and_tiered_by_damon(tmp_path):
             prog.kill()
             prog.wait()
         d.terminate()
-        d.wait(timeout=60)
+        d.wait(timeout=scaled(60))
     assert "Traceback" not in log.read_text()
     if SHARE.is_dir():
         with open(SHARE / "watch_vm.json", "w") as f:
