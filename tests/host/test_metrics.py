@@ -246,6 +246,10 @@ def test_top_redraws_in_place_and_exits_cleanly_on_ctrl_c(kvtierd):
 
     pid, fd = pty.fork()
     if pid == 0:  # child: the real command on the pty
+        # A terminal user's Ctrl-C: SIGINT at its default. A suite started as a
+        # background job of a non-interactive shell inherits SIGINT ignored,
+        # and exec keeps that, so top would never see the Ctrl-C sent below.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.execv(sys.executable, [sys.executable, "-m", "kvtier.ctl", "top", "--socket", kvtierd.socket,
                                   "--interval", "0.2"])
     out = b""
