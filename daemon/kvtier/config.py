@@ -193,7 +193,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("daemon", "proc_root", str, "/proc", "procfs root (tests point it elsewhere).", lo=1),
     Option("daemon", "sys_root", str, "/sys", "sysfs root (tests point it elsewhere).", lo=1),
     Option("daemon", "dry_run", bool, False,
-           "Plan and record migrations but do not move any page."),
+           "Plan, measure and observe, but move no page: planned moves are counted apart "
+           "(status dry_run_planned, kvtier_dry_run_planned_*) and every block keeps the tier the kernel shows."),
     Option("daemon", "log_level", str, "info", "Logging level.",
            choices=("debug", "info", "warning", "error")),
     Option("daemon", "watch_interval", float, 2.0,
@@ -304,8 +305,6 @@ OPTIONS: tuple[Option, ...] = (
            choices=("auto", *ACCESS_BIT_MODES)),
     Option("hotness.perf_fault", "enabled", bool, _SOURCE_ON["perf_fault"],
            "perf samples of major faults (swap-ins): which blocks are read back from swap."),
-    Option("hotness.perf_fault", "prefetch_blocks", int, _kw_default(MajorFaultSource, "prefetch_blocks"),
-           "Blocks after a faulting one to page in early (0 = none).", 0, 1 << 16),
     _ring_pages("hotness.perf_fault", MajorFaultSource),
     Option("hotness.perf", "enabled", bool, _SOURCE_ON["perf"],
            "PEBS/IBS load-address samples where the CPU has them."),

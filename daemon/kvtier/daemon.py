@@ -110,7 +110,9 @@ class Daemon:
                                  ProcProcesses(d.proc_root), self.watcher, on_change=self._state_dirty)
         self.topology = topo_mod.discover(d.sys_root, d.proc_root, topology_overrides(cfg))
         self.migrator = Migrator(proc_root=d.proc_root, dry_run=d.dry_run)
-        self.sources = sources_mod.build(source_tables(cfg), d.sys_root, d.proc_root, dry_run=d.dry_run)
+        # A dry run observes for real (DAMON monitoring moves no page): its
+        # plans are then the ones the daemon would make.
+        self.sources = sources_mod.build(source_tables(cfg), d.sys_root, d.proc_root)
         self.availability = sources_mod.probe_all(self.sources)
         self.engine = Engine(
             self.table, self.registry, self.topology, self.migrator, self.temperature,
@@ -145,7 +147,8 @@ class Daemon:
         return metrics_mod.MetricsExporter.from_config(
             mcfg, self.stats, self.registry, self.table, lambda: self.engine.topology,
             proc_root=self.cfg.daemon.proc_root,
-            sources=lambda: [(n, bool(a), a.reason) for n, a in self.availability.items()])
+            sources=lambda: [(n, bool(a), a.reason) for n, a in self.availability.items()],
+            source_events=lambda: [(s.name, s.events()) for s in self.sources])
 
     def announce(self) -> None:
         """The structured events an operator reads at start: every tier found,

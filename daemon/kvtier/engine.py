@@ -110,6 +110,7 @@ class MoveJob:
     engine_pos: np.ndarray | None = None
     ok: np.ndarray | None = None
     unmovable: np.ndarray | None = None
+    dry: np.ndarray | None = None  # planned moves a dry run did not make
     failures: collections.Counter = field(default_factory=collections.Counter)  # (src, dst, errno) -> pages
     measured_tier: np.ndarray | None = None  # failed moves, re-measured after the move (-1: not)
     seconds: float = 0.0
@@ -221,6 +222,7 @@ class Engine:
         self.policy_cfg = policy_cfg
         self.pstate = pol.PolicyState()
         self.stats = stats
+        stats.dry_run = bool(migrator.dry_run)
         self.residency_interval = residency_interval
         self.residency_pages_per_s = residency_pages_per_s
         self.residency_sample_pages = residency_sample_pages
@@ -402,6 +404,7 @@ class Engine:
             sources[name] = d
         return {
             "dry_run": bool(self.migrator.dry_run),
+            "dry_run_planned": self._dry_status(),
             "tiers": self.tier_names(),
             "last_tick_age_s": now - self.last_tick if self.last_tick else None,
             "job_running": self.mover.busy,
@@ -414,6 +417,18 @@ class Engine:
             "sources": sources,
             "warnings": list(getattr(self.topology, "warnings", [])),
         }
+
+    def _dry_status(self) -> dict:
+        st, names = self.stats, self.tier_names()
+
+        def name(t: int) -> str:
+            return names[t] if 0 <= t < len(names) else str(t)
+
+        def by_pair(blocks, nbytes) -> list[dict]:
+            return [{"src": name(s), "dst": name(d), "blocks": n, "bytes": nbytes[(s, d)]}
+                    for (s, d), n in sorted(blocks.items())]
+        return {"total": by_pair(st.dry_run_moves, st.dry_run_bytes),
+                "last_plan": by_pair(st.dry_run_last_moves, st.dry_run_last_bytes)}
 
     # -- scheduler hints -------------------------------------------------
 
@@ -462,7 +477,10 @@ class Engine:
         mask of rows that stay for the kernel (move_pages / swap)."""
         eng = (self.table.flags[rows] & np.uint8(F_ENGINE)) != 0
         eng_placed = eng & (src >= 0)
-        if eng_placed.any():
+        if eng_placed.any() and self.migrator.dry_run:
+            # A dry run sends no owner a move either (its tokens stay spent).
+            self._count_dry(src[eng_placed], dst[eng_placed], self.table.nbytes[rows[eng_placed]])
+        elif eng_placed.any():
             sent = self.engine_moves.dispatch(rows[eng_placed], src[eng_placed], dst[eng_placed])
             # no owner attached: nothing moves, and the plan's tokens come back
             unsent = ~sent
@@ -531,6 +549,7 @@ class Engine:
             log.exception("tick failed")
         self.last_tick = now
         self.stats.observe_tick(time.monotonic() - t0)
+        self.stats.dry_run = bool(self.migrator.dry_run)
 
     def _tick(self, now: float) -> None:
         if self._pending_topology is not None and self.future is None:
@@ -653,6 +672,7 @@ class Engine:
         n = job.region.size
         job.ok = np.zeros(n, dtype=bool)
         job.unmovable = np.zeros(n, dtype=bool)
+        job.dry = np.zeros(n, dtype=bool)
         keys = np.stack([job.pid.astype(np.int64), job.src.astype(np.int64), job.dst.astype(np.int64)], axis=1)
         uniq, inv = np.unique(keys, axis=0, return_inverse=True)
         inv = inv.ravel()
@@ -677,7 +697,9 @@ class Engine:
                            dst=int(dst), blocks=int(sel.size), reason=name, error=str(e))
                 continue
             if res.dry_run:
-                job.ok[sel] = True  # pretend, so a dry run reaches the policy's steady state
+                # Nothing moved: neither a success (the tier stays what the
+                # kernel says) nor a failure (no backoff); counted apart.
+                job.dry[sel] = True
                 continue
             job.ok[sel] = res.block_ok
             job.unmovable[sel] = res.block_unmovable
@@ -699,8 +721,8 @@ class Engine:
         behind, counted "in DRAM", made the plan evict a hot block for room
         that was already free)."""
         job.measured_tier = np.full(job.region.size, TIER_UNKNOWN, dtype=np.int8)
-        failed = ~job.ok
-        if self.migrator.dry_run or not failed.any():
+        failed = ~job.ok if job.dry is None else ~job.ok & ~job.dry
+        if not failed.any():
             return
         topo = self.topology
         swap = topo.swap_tier
@@ -722,7 +744,10 @@ class Engine:
         live = rows >= 0
         now = self.clock()
         self._dirty = True
-        mv = np.flatnonzero(live)
+        dry = job.dry if job.dry is not None else np.zeros(rows.size, dtype=bool)
+        if dry.any():
+            self._count_dry(job.src[dry & live], job.dst[dry & live], job.nbytes[dry & live])
+        mv = np.flatnonzero(live & ~dry)
         if mv.size:
             pol.record_results(t, rows[mv], job.ok[mv], job.unmovable[mv], now, self.policy_cfg, dst=job.dst[mv])
             # A failed or partial move leaves pages wherever they are: the
@@ -759,11 +784,26 @@ class Engine:
         if job.plan is not None:
             ok_plan = np.zeros(len(job.plan), dtype=bool)
             has = job.plan_pos >= 0
-            ok_plan[job.plan_pos[has]] = job.ok[has] & live[has]
+            # a dry run's planned moves keep their tokens: the plan is paced as the real one would be
+            ok_plan[job.plan_pos[has]] = (job.ok[has] | dry[has]) & live[has]
             if job.engine_pos is not None:
                 ok_plan[job.engine_pos] = True  # in the engines' hands: refunded by their answers
             self.pstate = pol.refund(self.pstate, job.plan, ok_plan, self.policy_cfg)
         self._record_placements()
+
+    def _count_dry(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
+        """A dry run's planned moves, by (src, dst): counted, and kept as
+        the last plan's (what the daemon would be doing now)."""
+        st = self.stats
+        last: collections.Counter = collections.Counter()
+        last_bytes: collections.Counter = collections.Counter()
+        for s, d, nb in zip(src.tolist(), dst.tolist(), nbytes.tolist()):
+            last[(s, d)] += 1
+            last_bytes[(s, d)] += int(nb)
+        for key, n in last.items():
+            st.dry_run_moves[key] += n
+            st.dry_run_bytes[key] += last_bytes[key]
+        st.dry_run_last_moves, st.dry_run_last_bytes = last, last_bytes
 
     def _record_placements(self) -> None:
         if self.recorder is not None:
@@ -795,12 +835,6 @@ class Engine:
         cap = budget if urgent else 0.75 * budget
         # Every block has at least one page: no more than cap + 1 of them fit.
         stale, complete = self._stale_rows(int(cap) + 1)
-        if stale.size and self.migrator.dry_run:
-            # A dry run pretends its moves: measuring a placed block would see
-            # the real pages and undo the pretence. Only unplaced ones count.
-            placed = stale[t.tier[stale] >= 0]
-            t.flags[placed] &= np.uint8(~F_STALE & 0xFF)
-            stale = stale[t.tier[stale] < 0]
         if stale.size:
             pages = (t.nbytes[stale].astype(np.int64) + ps - 1) // ps
             k = max(1, int(np.searchsorted(np.cumsum(pages), cap, side="right")))
@@ -829,10 +863,6 @@ class Engine:
                 self.stats.residency_passes_total += 1
                 self.stats.residency_pass_seconds = now - self._pass_started
                 self._pass_started = now
-            if self.migrator.dry_run:
-                # A dry run pretends its moves: sampling known blocks would
-                # see the real pages and undo the pretence every pass.
-                win_rows = win_rows[t.tier[win_rows] < 0]
             if full_rows.size:
                 win_rows = win_rows[~np.isin(win_rows, full_rows)]
             win_rows = win_rows[(t.flags[win_rows] & np.uint8(F_ENGINE)) == 0]

@@ -114,6 +114,11 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "kvtier_migrated_bytes": ("counter", ("src", "dst"), "Bytes migrated, by source and destination tier."),
     "kvtier_migration_failed_pages": ("counter", ("src", "dst", "reason"),
                                       "Pages that did not move, by tiers and reason (errno name)."),
+    "kvtier_dry_run": ("gauge", (), "1 while the daemon runs dry (daemon.dry_run): it plans but moves no page."),
+    "kvtier_dry_run_planned_blocks": ("counter", ("src", "dst"),
+                                      "Blocks a dry run planned to move and did not (counted again each time a plan "
+                                      "picks the block)."),
+    "kvtier_dry_run_planned_bytes": ("counter", ("src", "dst"), "Bytes of those planned moves."),
     "kvtier_migration_duration_seconds": ("histogram", (), "Wall time of one migration job (a plan's moves)."),
     "kvtier_prefetch_duration_seconds": ("histogram", (), "Time from a prefetch request to the block being in tier 0."),
     "kvtier_release_duration_seconds": ("histogram", (), "Time from a release request to the block being one tier down."),
@@ -145,6 +150,9 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "kvtier_requests": ("counter", ("op",), "Protocol requests by operation."),
     "kvtier_request_errors": ("counter", ("op", "code"), "Protocol error responses by operation and error code."),
     "kvtier_hinted_blocks": ("counter", (), "Block indices received in hint requests."),
+    "kvtier_source_events": ("counter", ("source", "event"),
+                             "What a hotness source ran into: perf samples, lost (ring full) and unmatched "
+                             "(outside every block); DAMON sysfs_busy_retries (EBUSY writes retried)."),
     "kvtier_hotness_source_active": ("gauge", ("source", "reason"),
                                      "1 if the hotness source feeds temperatures, 0 if not; reason says why."),
     "kvtier_state_writes": ("counter", ("result",), "Registration state file writes (ok, error)."),
@@ -161,6 +169,7 @@ def _tier_name(names: list[str], t: int) -> str:
 
 
 SourceStatus = tuple[str, bool, str]  # (name, active, reason)
+SourceEvents = tuple[str, dict[str, int]]  # (name, Source.events())
 
 
 class Collector:
@@ -179,6 +188,7 @@ class Collector:
         topology: TopologyView | Callable[[], TopologyView],
         *,
         sources: Callable[[], Iterable[SourceStatus]] | None = None,
+        source_events: Callable[[], Iterable[SourceEvents]] | None = None,
         per_region: bool = True,
         version: str | None = None,
     ):
@@ -187,6 +197,7 @@ class Collector:
         self.table = table
         self.topology = topology
         self.sources = sources
+        self.source_events = source_events
         self.per_region = per_region
         self.version = version if version is not None else __version__
 
@@ -333,6 +344,13 @@ class Collector:
         for (src, dst, why), n in sorted(s.migration_failed_pages.items(), key=lambda kv: str(kv[0])):
             fails.add_metric([_tier_name(names, src), _tier_name(names, dst), str(why)], n)
         yield from (blocks, nbytes, fails)
+        yield GaugeMetricFamily("kvtier_dry_run", METRICS["kvtier_dry_run"][2], value=int(bool(s.dry_run)))
+        dblocks, dbytes = _counter("kvtier_dry_run_planned_blocks"), _counter("kvtier_dry_run_planned_bytes")
+        for (src, dst) in sorted(pairs | set(s.dry_run_moves)):
+            labels = [_tier_name(names, src), _tier_name(names, dst)]
+            dblocks.add_metric(labels, s.dry_run_moves.get((src, dst), 0))
+            dbytes.add_metric(labels, s.dry_run_bytes.get((src, dst), 0))
+        yield from (dblocks, dbytes)
         yield _histogram("kvtier_migration_duration_seconds", s.migration_seconds_hist)
         yield _histogram("kvtier_prefetch_duration_seconds", s.prefetch_seconds_hist)
         yield _histogram("kvtier_release_duration_seconds", s.release_seconds_hist)
@@ -420,6 +438,11 @@ class Collector:
         for name in sorted(set(active) | set(s.source_slowdown)):
             slow.add_metric([name], s.source_slowdown.get(name) or 1)  # 1 = every tick, until backed off
         yield slow
+        ev = _counter("kvtier_source_events")
+        for name, events in (self.source_events() if self.source_events is not None else ()):
+            for event, n in sorted(events.items()):
+                ev.add_metric([name, event], n)
+        yield ev
 
 
 def _gauge(name: str) -> GaugeMetricFamily:
@@ -553,12 +576,14 @@ class MetricsExporter:
         *,
         proc_root: str = "/proc",
         sources: Callable[[], Iterable[SourceStatus]] | None = None,
+        source_events: Callable[[], Iterable[SourceEvents]] | None = None,
         per_region: bool = True,
     ):
         self.address = address
         self.port = port
         self.registry = CollectorRegistry(auto_describe=False)
-        self.collector = Collector(stats, registry, table, topology, sources=sources, per_region=per_region)
+        self.collector = Collector(stats, registry, table, topology, sources=sources, source_events=source_events,
+                                   per_region=per_region)
         self.registry.register(self.collector)
         ProcessCollector(proc=proc_root, registry=self.registry)
         self._server = None

@@ -100,6 +100,14 @@ class DaemonStats:
     migrated_bytes: collections.Counter = field(default_factory=collections.Counter)  # (src, dst) -> bytes
     migration_failed_pages: collections.Counter = field(default_factory=collections.Counter)  # (src, dst, errno) -> pages
     migration_seconds_sum: float = 0.0
+    # dry run (daemon.dry_run): planned moves not made, (src, dst) -> blocks /
+    # bytes; a block the plan picks again is counted again. last_*: the last
+    # plan's alone.
+    dry_run: bool = False
+    dry_run_moves: collections.Counter = field(default_factory=collections.Counter)
+    dry_run_bytes: collections.Counter = field(default_factory=collections.Counter)
+    dry_run_last_moves: collections.Counter = field(default_factory=collections.Counter)
+    dry_run_last_bytes: collections.Counter = field(default_factory=collections.Counter)
     migration_seconds_hist: Histogram = field(default_factory=lambda: Histogram(MIGRATION_BUCKETS))
     # tier_added, tier_removed, rediscovered, rediscover_failed (kernel/uevents.TopologyFollower)
     topology_events: collections.Counter = field(default_factory=collections.Counter)

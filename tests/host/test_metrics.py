@@ -60,6 +60,15 @@ class Scrape:
 
 @pytest.fixture
 def kvtierd(tmp_path, swapfile):
+    yield from run_kvtierd(tmp_path)
+
+
+@pytest.fixture
+def kvtierd_dry(tmp_path, swapfile):
+    yield from run_kvtierd(tmp_path, "--dry-run")
+
+
+def run_kvtierd(tmp_path, *args: str):
     sock = tmp_path / "kvtierd.sock"
     conf = tmp_path / "kvtierd.toml"
     conf.write_text(textwrap.dedent(f"""\
@@ -79,7 +88,7 @@ def kvtierd(tmp_path, swapfile):
         """))
     log = tmp_path / "kvtierd.log"
     with open(log, "wb") as logf:
-        proc = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", "-c", str(conf)],
+        proc = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", "-c", str(conf), *args],
                                 stdout=logf, stderr=logf)
 
     def url():
@@ -227,6 +236,47 @@ def test_partly_failed_pageout_does_not_evict_a_hot_block(kvtierd):
         assert m.value("kvtier_migration_failed_pages_total", src="dram", dst="swap", reason="NOT_PAGED_OUT") == 4
         assert list(region.query()) == [0, 0, 0] + [1] * 13
         assert m.value("kvtier_tier_access_ratio", tier="dram") > 0.9
+
+
+def swapped_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith("VmSwap:")).split()[1])
+
+
+def test_dry_run_moves_nothing_and_says_what_it_would_move(kvtierd_dry):
+    """--dry-run over the same pool and budget as above: the plan wants the
+    13 cold blocks in swap, and nothing moves. Every block stays in DRAM in
+    the daemon's view as in the kernel's, the migration counters stay at 0,
+    and the planned moves are counted apart (main recorded them as done:
+    the blocks "in swap", 0 pages there)."""
+    with KVChild(POOL) as child, Client(kvtierd_dry.socket, name="test_dry_run") as kv:
+        before = child.checksum()
+        region = kv.register(addr=child.addr, length=POOL, block_size=BLOCK, name="pool", pid=child.pid)
+
+        def planned():
+            region.hint(np.repeat([0, 1, 2], 50))
+            kv.flush()
+            s = scrape(kvtierd_dry.url)
+            return s if (s.value("kvtier_dry_run_planned_blocks_total", src="dram", dst="swap") or 0) >= 13 else None
+
+        m = wait_for(planned, "the dry run to plan the cold blocks' pageout")
+        time.sleep(1.0)  # ten more ticks: a pretended move would show by now
+        m = scrape(kvtierd_dry.url)
+        assert m.value("kvtier_dry_run") == 1
+        assert m.value("kvtier_migrated_blocks_total") == 0
+        assert m.value("kvtier_migrated_bytes_total") == 0
+        assert m.value("kvtier_tier_bytes", tier="dram") == POOL
+        assert m.value("kvtier_tier_bytes", tier="swap") == 0
+        assert m.value("kvtier_dry_run_planned_bytes_total", src="dram", dst="swap") == \
+            m.value("kvtier_dry_run_planned_blocks_total", src="dram", dst="swap") * BLOCK
+        assert list(region.query()) == [0] * 16
+        assert swapped_kib(child.pid) == 0
+        engine = kv.status()["engine"]
+        assert engine["dry_run"] is True
+        last = {(p["src"], p["dst"]): p for p in engine["dry_run_planned"]["last_plan"]}
+        assert 0 < last[("dram", "swap")]["blocks"] <= 13, engine["dry_run_planned"]
+        assert child.checksum() == before
+    assert "(dry run)" in kvtierd_dry.log.read_text()
 
 
 def reload(kvtierd, n: int) -> None:

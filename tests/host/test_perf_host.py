@@ -92,7 +92,7 @@ def test_major_faults_report_exactly_the_touched_blocks(swapfile, no_swap_readah
     with KVChild(n * block) as c:
         t = BlockTable()
         t.add_region(7, c.pid, c.addr, n * block, block)
-        src = MajorFaultSource(prefetch_blocks=2)
+        src = MajorFaultSource()
         av = src.probe()
         assert av.ok, av.reason
         src.set_targets(t)
@@ -113,8 +113,6 @@ def test_major_faults_report_exactly_the_touched_blocks(swapfile, no_swap_readah
     # may still sit in the swap cache (see page_out) and fault minor.
     assert obs.counts.sum() == faults
     assert (obs.counts > 32).all()
-    # The next two blocks of each, inside the region, not already faulting.
-    assert obs.prefetch.tolist() == [2, 3, 7, 8, 14]
 
 
 def test_ring_wraps_around_on_the_real_kernel(swapfile, no_swap_readahead):
@@ -124,7 +122,7 @@ def test_ring_wraps_around_on_the_real_kernel(swapfile, no_swap_readahead):
     with KVChild(n * P) as c:
         t = BlockTable()
         t.add_region(1, c.pid, c.addr, n * P, P)  # one page per block
-        src = MajorFaultSource(ring_pages=1, prefetch_blocks=0)
+        src = MajorFaultSource(ring_pages=1)
         assert src.probe().ok
         src.set_targets(t)
         try:

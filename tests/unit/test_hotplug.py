@@ -240,6 +240,7 @@ def test_a_change_during_a_migration_waits_for_it(tree, engine_on):
     follower = uevents.TopologyFollower(eng, stats, lambda: discover(tree))
     t = eng.table
     t.tier[:] = [0, 2, 2, 3]
+    t.pin_tier[:] = [-1, 2, 2, 3]
     eng.mover.future = object()  # a move is running: its tier numbers are the old ones
     offline_memory(tree)
     follower.on_burst([uevents.Uevent("offline", "memory", "/devices/system/memory/memory34")])
@@ -249,13 +250,16 @@ def test_a_change_during_a_migration_waits_for_it(tree, engine_on):
     assert stats.topology_events["rediscovered"] == 1
     eng.mover.future = None
     tick(eng)
-    assert names(eng.topology) == ["dram", "far0", "swap"] and t.tier.tolist() == [0, 1, 1, 2]
+    # Renumbered once the move is over (pin_tier: the tick then measures
+    # every block for real, and this buffer's pages were never touched).
+    assert names(eng.topology) == ["dram", "far0", "swap"] and t.pin_tier.tolist() == [-1, 1, 1, 2]
 
 
 def test_pending_changes_compose(tree, engine_on):
     eng, stats = engine_on
     t = eng.table
     t.tier[:] = [0, 1, 2, 3]
+    t.pin_tier[:] = [0, 1, 2, 3]
     full = eng.topology
     eng.mover.future = object()
     remove_node(tree)
@@ -264,9 +268,12 @@ def test_pending_changes_compose(tree, engine_on):
     eng.set_topology(full, topo.compare(gone, full).index_map)  # and back before the job ended
     eng.mover.future = None
     tick(eng)
-    # far and swap blocks are back at their old numbers; the CXL block is
-    # unknown (its tier was gone meanwhile) and measured: never touched, no pages.
-    assert t.tier.tolist() == [0, TIER_UNKNOWN, 2, 3]
+    # far and swap pins are back at their old numbers; the CXL one is
+    # unknown (its tier was gone meanwhile). Every block is then measured
+    # (never touched: no pages; the swap block stays in swap, as shared
+    # memory in swap shows no pages either).
+    assert t.pin_tier.tolist() == [0, TIER_UNKNOWN, 2, 3]
+    assert t.tier.tolist() == [TIER_UNKNOWN, TIER_UNKNOWN, TIER_UNKNOWN, 3]
 
 
 # -- per-process far-node affinity -------------------------------------------

@@ -41,3 +41,15 @@ def test_large_batch_has_no_per_page_python_work():
     assert len(lay.addrs) == n * 512
     assert np.all(np.diff(lay.addrs.astype(np.int64)) == P)
     assert len(lay.runs) == 1
+
+
+def test_dry_run_record_is_bounded():
+    # A dry run may last weeks: it keeps its last DRY_RUN_RECORD calls, newest last.
+    from kvtier.kernel.migrator import DRY_RUN_RECORD, Migrator
+
+    mig = Migrator(dry_run=True, max_node=0)
+    for i in range(DRY_RUN_RECORD + 10):
+        res = mig.move(1, np.array([0x10000 * (i + 1)], dtype=np.uint64), 4096, 0)
+        assert res.dry_run and res.done == 0
+    assert len(mig.record) == DRY_RUN_RECORD
+    assert mig.record[-1]["pages"] == 1 and mig.record[0] is not mig.record[-1]

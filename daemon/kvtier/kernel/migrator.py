@@ -26,6 +26,7 @@ import functools
 import os
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,6 +41,8 @@ from kvtier.kernel.procfs import PM_PRESENT, PM_SWAP, Pagemap
 DEFAULT_BATCH_PAGES = 1 << 16
 # Re-query/retry rounds for -EBUSY pages before calling them pinned.
 BUSY_RETRIES = 2
+# A dry run keeps its last calls, not all of them: it may run for weeks.
+DRY_RUN_RECORD = 1024
 
 _ENOENT = -errno.ENOENT
 _EBUSY = -errno.EBUSY
@@ -196,7 +199,7 @@ class Migrator:
         self.batch_pages = batch_pages
         self.page_size = page_size
         self.max_node = native.numa_max_node() if max_node is None else max_node
-        self.record: list[dict] = []
+        self.record: deque[dict] = deque(maxlen=DRY_RUN_RECORD)  # dry run: the calls not made
         # One move at a time: two concurrent move_pages on one process only
         # contend in the kernel. Measuring (residency, query_nodes) runs on
         # its own thread beside the moves, so that a long move never delays

@@ -232,6 +232,10 @@ class DamonSource(Source):
             self._write_intervals()
             self.io.write(STATE, COMMIT)
 
+    def events(self) -> dict[str, int]:
+        # EBUSY answers of DAMON's sysfs absorbed by retrying (sysfs_io)
+        return {"sysfs_busy_retries": self.io.busy_retries}
+
     def kernel_cpu_seconds(self) -> float:
         """CPU time of the kdamond(s) this source has run (utime + stime)."""
         pid = None
