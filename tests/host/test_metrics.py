@@ -238,6 +238,35 @@ def test_partly_failed_pageout_does_not_evict_a_hot_block(kvtierd):
         assert m.value("kvtier_tier_access_ratio", tier="dram") > 0.9
 
 
+def test_perf_fault_samples_and_source_events_are_scraped(kvtierd):
+    """The major-fault source in the real daemon: a pool the test put in
+    swap (twice paged out, so no page is left in the swap cache, see
+    test_perf_host.page_out) is registered, its owner reads four blocks back,
+    and the scrape counts their major faults as perf_fault samples."""
+    from test_perf_host import majflt, page_out
+
+    with KVChild(POOL) as child, Client(kvtierd.socket, name="test_perf_events") as kv:
+        page_out(child)
+        region = kv.register(addr=child.addr, length=POOL, block_size=BLOCK, name="pool", pid=child.pid)
+        # Two collects after the registration: the source follows its threads.
+        n = kv.status()["engine"]["sources"]["perf_fault"]["collects"]
+        wait_for(lambda: kv.status()["engine"]["sources"]["perf_fault"]["collects"] >= n + 2, "two collects")
+        m = scrape(kvtierd.url)
+        assert m.value("kvtier_hotness_source_active", source="perf_fault") == 1
+        assert m.value("kvtier_source_events_total", source="perf_fault", event="samples") == 0
+        before = majflt(child.pid)
+        for b in (4, 5, 6, 7):
+            assert child.ask(f"touch {b * BLOCK} {BLOCK}").startswith("ok")
+        faults = majflt(child.pid) - before
+        assert faults > 0
+        m = wait_for(lambda: (s := scrape(kvtierd.url)).value(
+            "kvtier_source_events_total", source="perf_fault", event="samples") >= faults and s,
+            "the faults sampled")
+        assert m.value("kvtier_source_events_total", source="perf_fault", event="lost") == 0
+        assert m.value("kvtier_source_events_total", source="perf_fault", event="unmatched") == 0
+        assert m.value("kvtier_source_events_total", source="damon", event="sysfs_busy_retries") == 0
+
+
 def swapped_kib(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return int(next(line for line in f if line.startswith("VmSwap:")).split()[1])
