@@ -63,7 +63,8 @@ class Option:
     ``lo``/``hi`` bound a number, the length of a string, or each item of a
     list or table; ``lo_open`` makes ``lo`` exclusive. ``int_keys``: a table's
     keys must be integers (tier indices). ``check`` validates what a type
-    cannot say and raises ConfigError."""
+    cannot say and raises ConfigError. ``restart``: read once at start; a
+    reload (SIGHUP) that changes it is refused, naming it."""
 
     section: str
     name: str
@@ -77,6 +78,7 @@ class Option:
     item: type | None = None
     int_keys: bool = False
     check: Callable[[Any], Any] | None = None
+    restart: bool = False
 
     @property
     def key(self) -> str:
@@ -167,13 +169,14 @@ _SOURCE_ON = {name: on for name, (_, on) in sources.SECTIONS.items()}
 OPTIONS: tuple[Option, ...] = (
     # -- daemon ---------------------------------------------------------
     Option("daemon", "socket", str, DEFAULT_SOCKET,
-           "Unix socket path; ignored when systemd passes a socket (LISTEN_FDS).", lo=1),
+           "Unix socket path; ignored when systemd passes a socket (LISTEN_FDS).", lo=1, restart=True),
     Option("daemon", "socket_group", str, "",
            "Group owning the socket (clients must be in it); empty = the daemon's group.",
-           check=_group_exists),
-    Option("daemon", "socket_mode", int, 0o660, "Permission bits of the socket.", 0, 0o777),
+           check=_group_exists, restart=True),
+    Option("daemon", "socket_mode", int, 0o660, "Permission bits of the socket.", 0, 0o777, restart=True),
     Option("daemon", "state_file", str, DEFAULT_STATE,
-           "Registrations persist here (atomic rename) so a restart re-adopts them; empty disables."),
+           "Registrations persist here (atomic rename) so a restart re-adopts them; empty disables.",
+           restart=True),
     Option("daemon", "state_flush_delay", float, 0.05,
            "Seconds to batch registration changes before one atomic state write.", 0.0, 60.0),
     Option("daemon", "tick_interval", float, 1.0,
@@ -190,8 +193,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("daemon", "source_cpu_budget", float, 0.05,
            "Share of one core each hotness source may use (its collect plus its kernel thread); "
            "above it the source runs less often and says so in status and metrics.", 0.0001, 64.0),
-    Option("daemon", "proc_root", str, "/proc", "procfs root (tests point it elsewhere).", lo=1),
-    Option("daemon", "sys_root", str, "/sys", "sysfs root (tests point it elsewhere).", lo=1),
+    Option("daemon", "proc_root", str, "/proc", "procfs root (tests point it elsewhere).", lo=1, restart=True),
+    Option("daemon", "sys_root", str, "/sys", "sysfs root (tests point it elsewhere).", lo=1, restart=True),
     Option("daemon", "dry_run", bool, False,
            "Plan, measure and observe, but move no page: planned moves are counted apart "
            "(status dry_run_planned, kvtier_dry_run_planned_*) and every block keeps the tier the kernel shows."),
@@ -412,6 +415,11 @@ class Config:
     def table(self, section: str) -> dict[str, Any]:
         """The options of one table (not its sub-tables), defaults filled in."""
         return {o.name: self.values[o.key] for o in OPTIONS if o.section == section}
+
+    def differences(self, other: "Config") -> list[str]:
+        """Keys (section.name, and the [[watch]] tables) whose value differs in ``other``."""
+        out = [o.key for o in OPTIONS if self.values[o.key] != other.values[o.key]]
+        return out + [sec for sec in REPEATED if self.repeated[sec] != other.repeated[sec]]
 
     def changed(self, section: str) -> dict[str, Any]:
         """The options of one table that differ from their defaults."""
@@ -653,6 +661,8 @@ def sample_toml() -> str:
         "# its default; uncomment to change. Unknown keys are errors. Any key can",
         "# also be set on the command line: kvtierd -s hotness.damon.aggr_us=200000",
         "# Generated from kvtier.config.OPTIONS: `kvtierd --print-sample-config`.",
+        "# A reload (SIGHUP, systemctl reload) applies every key at once, except the",
+        "# few marked \"Read at start\": changing one of those refuses the reload.",
     ]
     for sec in SECTIONS:
         lines += ["", f"# {SECTION_DOCS[sec]}", f"[{sec}]"]
@@ -661,6 +671,8 @@ def sample_toml() -> str:
                 continue
             bounds = o.bounds_text()
             doc = f"{o.doc} ({o.type_name()}{'; ' + bounds if bounds else ''})"
+            if o.restart:
+                doc += " Read at start: a reload that changes it is refused."
             lines += textwrap.wrap(doc, 78, initial_indent="# ", subsequent_indent="# ",
                                    break_on_hyphens=False)
             lines.append(f"#{o.name} = {_toml_value(o.default, o)}")

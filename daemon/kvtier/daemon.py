@@ -51,6 +51,8 @@ from kvtier.stats import DaemonStats
 log = logging.getLogger("kvtier.daemon")
 
 VERSION = __version__
+# Keys read once at start (config.Option.restart): a reload that changes one is refused.
+RESTART_KEYS = frozenset(o.key for o in config.OPTIONS if o.restart)
 
 def limits_of(cfg: config.Config) -> Limits:
     lim = cfg.limits
@@ -78,9 +80,11 @@ def topology_overrides(cfg: config.Config) -> dict:
 
 class Daemon:
     def __init__(self, cfg: config.Config, config_path: str | None, notifier: Notifier | None = None,
-                 inherited_fds: list[int] | None = None):
+                 inherited_fds: list[int] | None = None, overrides: dict[str, Any] | None = None):
         self.cfg = cfg
         self.config_path = config_path
+        # command-line overrides (--socket, --dry-run, -s): still in force after a reload
+        self.overrides = dict(overrides or {})
         self.notifier = notifier or Notifier()
         self.inherited_fds = inherited_fds
         self.stats = DaemonStats()
@@ -125,12 +129,8 @@ class Daemon:
             d.sys_root, d.proc_root, topology_overrides(self.cfg), hotplug=True))
         self.uevents = uevents.UeventListener(loop, self.hotplug.on_burst)
         self.metrics = self._exporter(metrics_mod.MetricsConfig(**cfg.table("metrics")))
-        self.recorder = None
-        if cfg.record.enabled:
-            self.recorder = record_mod.Recorder(cfg.record.dir, cfg.record.max_bytes, cfg.record.files, self.table,
-                                                self.registry, self.engine.tier_states, lambda: self.engine.policy_cfg,
-                                                meta={"tick_s": d.tick_interval, "tau_s": cfg.hotness.tau_s})
-            self.registry.recorder = self.engine.recorder = self.recorder
+        self.recorder = self._recorder(cfg)
+        self.registry.recorder = self.engine.recorder = self.recorder
         self.watch = watch_mod.Watcher(watch_mod.parse_rules(cfg.watch), self.registry, PsutilScanner(d.proc_root))
         self.watch_schedule = watch_mod.Schedule(self.watch, loop, d.watch_interval)
         self.api = ControlAPI(self.registry, self.engine, self.stats, lim.max_message_bytes, VERSION)
@@ -144,11 +144,29 @@ class Daemon:
     def _exporter(self, mcfg: metrics_mod.MetricsConfig) -> metrics_mod.MetricsExporter | None:
         if not mcfg.enabled:
             return None
+        # Through self: a reload may replace the sources.
         return metrics_mod.MetricsExporter.from_config(
             mcfg, self.stats, self.registry, self.table, lambda: self.engine.topology,
             proc_root=self.cfg.daemon.proc_root,
             sources=lambda: [(n, bool(a), a.reason) for n, a in self.availability.items()],
             source_events=lambda: [(s.name, s.events()) for s in self.sources])
+
+    def _start_metrics(self) -> None:
+        """Metrics are not worth refusing to manage memory for: a port in
+        use is logged and the daemon runs without them."""
+        try:
+            self.metrics.start()
+            log.info("metrics on http://%s:%d/metrics", self.metrics.address, self.metrics.port)
+        except OSError as e:
+            log.error("metrics exporter not started on %s:%d: %s", self.metrics.address, self.metrics.port, e)
+            self.metrics = None
+
+    def _recorder(self, cfg: config.Config) -> record_mod.Recorder | None:
+        if not cfg.record.enabled:
+            return None
+        return record_mod.Recorder(cfg.record.dir, cfg.record.max_bytes, cfg.record.files, self.table,
+                                   self.registry, self.engine.tier_states, lambda: self.engine.policy_cfg,
+                                   meta={"tick_s": cfg.daemon.tick_interval, "tau_s": cfg.hotness.tau_s})
 
     def announce(self) -> None:
         """The structured events an operator reads at start: every tier found,
@@ -248,27 +266,32 @@ class Daemon:
     # -- reload ----------------------------------------------------------
 
     def reload(self) -> None:
-        """SIGHUP: re-read the config; on any error keep running on the old one."""
+        """SIGHUP: re-read the config and apply every changed key, or, if a
+        key read only at start changed (RESTART_KEYS: the socket, the state
+        file, the roots), refuse the whole reload naming it. On any error
+        the daemon keeps running on the old config, unchanged."""
         self.notifier.reloading()
         try:
-            new = config.load(self.config_path, missing_ok=self.config_path == config.DEFAULT_PATH)
+            new = config.load(self.config_path, missing_ok=self.config_path == config.DEFAULT_PATH,
+                              overrides=self.overrides)
             pcfg = policy_config(new, self.registry.tenant_id)
+            changed = self.cfg.differences(new)
+            fixed = [k for k in changed if k in RESTART_KEYS]
+            if fixed:
+                raise ConfigError("; ".join(f"{k} changed ({self.cfg.get(k)!r} -> {new.get(k)!r}): read only at "
+                                            "start, restart kvtierd to change it" for k in fixed))
         except Exception as e:  # any error, even a bug in a validator: never die on SIGHUP
             self.stats.config_reload_errors_total += 1
             if isinstance(e, (ConfigError, OSError)):
-                log.error("reload failed, keeping the running config: %s", e)
+                log.error("reload refused, keeping the running config: %s", e)
             else:
-                log.exception("reload failed, keeping the running config")
+                log.exception("reload refused, keeping the running config")
             self.notifier.ready(self._status_line())
             return
-        for key in ("daemon.socket", "daemon.socket_group", "daemon.socket_mode", "daemon.state_file",
-                    "daemon.proc_root", "daemon.sys_root"):
-            if new.get(key) != self.cfg.get(key):
-                log.warning("%s changed: takes effect at the next restart", key)
-        if topology_overrides(new) != topology_overrides(self.cfg):
+        old, self.cfg = self.cfg, new
+        if topology_overrides(new) != topology_overrides(old):
             try:
-                t = topo_mod.discover(self.cfg.daemon.sys_root, self.cfg.daemon.proc_root,
-                                      topology_overrides(new))
+                t = topo_mod.discover(new.daemon.sys_root, new.daemon.proc_root, topology_overrides(new))
                 # Renumbers the blocks' tiers; waits for a running migration.
                 self.engine.set_topology(t, topo_mod.compare(self.engine.latest_topology(), t).index_map)
                 self.topology = t
@@ -285,15 +308,65 @@ class Daemon:
         self.watch.rules = watch_mod.parse_rules(new.watch)
         self.watch_schedule.interval = new.daemon.watch_interval
         self.migrator.dry_run = new.daemon.dry_run
+        self.stats.dry_run = new.daemon.dry_run
         logs.setup(new.daemon.log_level)
-        self.cfg = config.Config(
-            {**new.values, **{k: self.cfg.get(k) for k in ("daemon.socket", "daemon.state_file",
-                                                             "daemon.proc_root", "daemon.sys_root")}},
-            new.source, new.repeated,
-        )
+        self._reload_sources(old, new)
+        if old.table("metrics") != new.table("metrics"):
+            self._reload_metrics(new)
+        if any(k.startswith("record.") or k in ("daemon.tick_interval", "hotness.tau_s") for k in changed) \
+                and (old.record.enabled or new.record.enabled):
+            if self.recorder is not None:
+                self.recorder.close()
+            self.recorder = self._recorder(new)
+            self.registry.recorder = self.engine.recorder = self.recorder
+        # tick_interval and state_flush_delay are read from self.cfg where used.
         self.stats.config_reloads_total += 1
-        log.info("configuration reloaded from %s", new.source)
+        logs.event(log, "config_reloaded", source=new.source, changed=",".join(changed) or "-")
         self.notifier.ready(self._status_line())
+
+    def _reload_sources(self, old: config.Config, new: config.Config) -> None:
+        """Rebuild the hotness sources whose [hotness.<name>] table changed
+        (access bits too when DAMON's did: they stand down where it runs);
+        the others keep running as they are."""
+        changed = {n for n in sources_mod.SECTIONS if old.table(f"hotness.{n}") != new.table(f"hotness.{n}")}
+        if not changed:
+            return
+        if "damon" in changed:
+            changed.add("access_bits")
+        d = new.daemon
+        before = {s.name: s for s in self.sources}
+        sources = [before[s.name] if s.name in before and s.name not in changed else s
+                   for s in sources_mod.build(source_tables(new), d.sys_root, d.proc_root)]
+        known = {n: a for n, a in self.availability.items() if n in before and n not in changed}
+        availability = sources_mod.probe_all(sources, known=known)
+        for s in before.values():  # the engine closes the active ones it drops
+            if s not in sources and not self.availability.get(s.name):
+                s.close()
+        self.sources, self.availability = sources, availability
+        self.engine.set_sources(sources, availability)
+        for name in sorted(changed):
+            a = availability.get(name)
+            if a is None:
+                logs.event(log, "source_disabled", source=name)
+            elif a:
+                logs.event(log, "source_active", source=name, detail=a.reason)
+            else:
+                logs.event(log, "source_unavailable", logging.WARNING, source=name, reason=a.reason)
+
+    def _reload_metrics(self, new: config.Config) -> None:
+        """A new exporter for the new [metrics] table; the old one stops
+        first when both want the same port."""
+        mcfg = metrics_mod.MetricsConfig(**new.table("metrics"))
+        old = self.metrics
+        same_port = old is not None and mcfg.port != 0 and (mcfg.address, mcfg.port) == (old.address, old.port)
+        if old is not None and (same_port or not mcfg.enabled):
+            old.stop()
+            old = None
+        self.metrics = self._exporter(mcfg)
+        if self.metrics is not None:
+            self._start_metrics()
+        if old is not None:
+            old.stop()
 
     # -- main loop -------------------------------------------------------
 
@@ -323,13 +396,7 @@ class Daemon:
         self.watch_schedule.start()
         await self.uevents.start()
         if self.metrics is not None:
-            try:
-                self.metrics.start()
-                log.info("metrics on http://%s:%d/metrics", self.metrics.address, self.metrics.port)
-            except OSError as e:  # metrics are not worth refusing to manage memory for
-                log.error("metrics exporter not started on %s:%d: %s", self.metrics.address,
-                          self.metrics.port, e)
-                self.metrics = None
+            self._start_metrics()
         self.notifier.ready(self._status_line())
         if self.notifier.watchdog_interval:
             self._watchdog(loop, self.notifier.watchdog_interval)
@@ -446,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.setswitchinterval(0.0005)
     bound_heap()
     try:
-        daemon = Daemon(cfg, args.config, inherited_fds=listen_fds())
+        daemon = Daemon(cfg, args.config, inherited_fds=listen_fds(), overrides=overrides)
         return asyncio.run(daemon.run())
     except (KvtierError, OSError) as e:
         log.error("%s", e)

@@ -259,6 +259,7 @@ class Engine:
         self.sources = [s for s in sources if self.availability.get(s.name)]
         self.pace = {s.name: SourcePace() for s in self.sources}
         self._targets_gen = -1
+        self._pending_sources: tuple[list[HotnessSource], dict[str, AvailabilityView]] | None = None
         self._pending_topology: tuple[Any, np.ndarray] | None = None
         self.recorder = None  # kvtier.record.Recorder when [record] is on
         self._targets_hinted: frozenset[int] | None = None
@@ -343,6 +344,32 @@ class Engine:
         # Memory went offline under some blocks (the kernel moved their
         # pages) or a tier is new: measure every block where it really is.
         self.request_measure()
+
+    # -- hotness sources replaced (config reload) --------------------------
+
+    def set_sources(self, sources: Sequence[HotnessSource], availability: Mapping[str, AvailabilityView]) -> None:
+        """Use these sources from now on (those that probed available);
+        applied once no collect runs, since a source is used by one thread
+        at a time. Sources no longer in the list are closed then."""
+        self._pending_sources = (list(sources), dict(availability))
+        if not self.collector.busy:
+            self._apply_sources()
+
+    def _apply_sources(self) -> None:
+        sources, availability = self._pending_sources
+        self._pending_sources = None
+        keep = {id(s) for s in sources}
+        for old in self.sources:
+            if id(old) not in keep:
+                try:
+                    old.close()
+                except (KvtierError, OSError) as e:
+                    log.warning("hotness source %s: close failed: %s", old.name, e)
+        same = {s.name for s in self.sources if id(s) in keep}  # kept objects keep their pace
+        self.availability = availability
+        self.sources = [s for s in sources if availability.get(s.name)]
+        self.pace = {s.name: self.pace[s.name] if s.name in same else SourcePace() for s in self.sources}
+        self._targets_gen = -1  # new sources need their targets
 
     # -- operator requests -----------------------------------------------
 
@@ -554,6 +581,8 @@ class Engine:
     def _tick(self, now: float) -> None:
         if self._pending_topology is not None and self.future is None:
             self._apply_topology()
+        if self._pending_sources is not None and not self.collector.busy:
+            self._apply_sources()
         self.temperature.decay(self.table, now)
         self.registry.check_alive()
         try:

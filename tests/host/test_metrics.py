@@ -308,6 +308,51 @@ def test_dry_run_moves_nothing_and_says_what_it_would_move(kvtierd_dry):
     assert "(dry run)" in kvtierd_dry.log.read_text()
 
 
+def test_reload_applies_hotness_and_metrics_or_refuses_naming_the_key(kvtierd):
+    """SIGHUP with a changed [hotness.perf_fault] and [metrics]: the source
+    stops (gone from status and scrape), the exporter is rebuilt without
+    per-region series. Then a change to a key read only at start is refused
+    as a whole, naming the key: nothing of that file is applied. (Main
+    validated both tables, logged "reloaded" and applied neither.)"""
+    with KVChild(POOL) as child, Client(kvtierd.socket, name="test_reload") as kv:
+        kv.register(addr=child.addr, length=POOL, block_size=BLOCK, name="pool", pid=child.pid)
+        m = wait_for(lambda: (s := scrape(kvtierd.url)).value("kvtier_region_tier_bytes", name="pool") and s,
+                     "per-region series")
+        assert m.value("kvtier_hotness_source_active", source="perf_fault") == 1
+        assert kv.status()["engine"]["sources"]["perf_fault"]["active"] is True
+        conf = kvtierd.conf.read_text()
+        kvtierd.conf.write_text(conf.replace("port = 0\n", "port = 0\nper_region = false\n")
+                                + "[hotness.perf_fault]\nenabled = false\n")
+        old_url = kvtierd.url
+        kvtierd.proc.send_signal(signal.SIGHUP)
+        urls = lambda: re.findall(r"metrics on (http://\S+/metrics)", kvtierd.log.read_text())  # noqa: E731
+        wait_for(lambda: len(urls()) == 2, "the exporter to be rebuilt")
+        new_url = urls()[-1]
+        m = wait_for(lambda: (s := scrape(new_url)).value("kvtier_config_reloads_total", result="ok") == 1 and s,
+                     "the reload counted")
+        assert m.value("kvtier_region_tier_bytes") is None  # per_region = false
+        assert m.value("kvtier_tenant_tier_bytes") == POOL
+        assert m.value("kvtier_hotness_source_active", source="perf_fault") is None
+        assert "perf_fault" not in kv.status()["engine"]["sources"]
+        log = kvtierd.log.read_text()
+        assert re.search(r"event=config_reloaded .*changed=metrics.per_region,hotness.perf_fault.enabled|"
+                         r"event=config_reloaded .*changed=hotness.perf_fault.enabled,metrics.per_region", log), log
+        assert "event=source_disabled source=perf_fault" in log
+        if new_url != old_url:
+            with pytest.raises(OSError):
+                urllib.request.urlopen(old_url, timeout=5)
+
+        # A key read only at start, beside one that could be applied: all refused.
+        kvtierd.conf.write_text(conf.replace("[daemon]\n", "[daemon]\nsocket_mode = 0o600\n"))
+        kvtierd.proc.send_signal(signal.SIGHUP)
+        m = wait_for(lambda: (s := scrape(new_url)).value("kvtier_config_reloads_total", result="error") == 1 and s,
+                     "the reload to be refused")
+        assert m.value("kvtier_config_reloads_total", result="ok") == 1
+        assert m.value("kvtier_region_tier_bytes") is None and "perf_fault" not in kv.status()["engine"]["sources"]
+        assert "reload refused, keeping the running config: daemon.socket_mode changed (432 -> 384): read only " \
+               "at start, restart kvtierd to change it" in kvtierd.log.read_text()
+
+
 def reload(kvtierd, n: int) -> None:
     kvtierd.proc.send_signal(signal.SIGHUP)
     wait_for(lambda: scrape(kvtierd.url).value("kvtier_config_reloads_total", result="ok") == n, f"reload {n}")

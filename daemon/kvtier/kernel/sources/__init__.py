@@ -76,14 +76,18 @@ def build(hotness: dict[str, Any] | None, sys_root: str = "/sys", proc_root: str
     return out
 
 
-def probe_all(sources: list[Source], *, exclusive_sampling: bool = True) -> dict[str, Availability]:
-    """Probe every source once. With ``exclusive_sampling``, access bits are
-    not used where DAMON runs: both would clear the same page-table accessed
-    bits and each would see only what the other left."""
+def probe_all(sources: list[Source], *, exclusive_sampling: bool = True,
+              known: dict[str, Availability] | None = None) -> dict[str, Availability]:
+    """Probe every source once, except those named in ``known`` (a reload
+    keeps what it did not change). With ``exclusive_sampling``, access bits
+    are not used where DAMON runs: both would clear the same page-table
+    accessed bits and each would see only what the other left."""
     table: dict[str, Availability] = {}
     for source in sources:
-        if exclusive_sampling and source.name == "access_bits" and table.get("damon"):
+        if known and source.name in known:
+            table[source.name] = known[source.name]
+        elif exclusive_sampling and source.name == "access_bits" and table.get("damon"):
             table[source.name] = Availability(False, "not needed: DAMON vaddr runs (both would clear the same accessed bits)")
-            continue
-        table[source.name] = source.probe()
+        else:
+            table[source.name] = source.probe()
     return table
