@@ -58,6 +58,15 @@ int kvt_perf_open(unsigned int type, unsigned long long config,
                   int precise_ip, int exclude_kernel,
                   int pid, int cpu, unsigned long flags);
 int kvt_perf_attr_size(void);
+long kvt_cachestat_ranges(int fd, const unsigned long long *offs,
+                          const unsigned long long *lens, size_t n,
+                          unsigned long long *cache,
+                          unsigned long long *evicted);
+unsigned long long kvt_map_ranges(int fd, const unsigned long long *offs,
+                                  const unsigned long long *lens, size_t n,
+                                  unsigned long long *addrs,
+                                  unsigned long long *total);
+int kvt_unmap(unsigned long long addr, unsigned long long len);
 
 /* ---- constants --------------------------------------------------------- */
 #define MPOL_MF_MOVE ...
@@ -91,6 +100,7 @@ SOURCE = r"""
 #define _GNU_SOURCE
 #include <errno.h>
 #include <limits.h>
+#include <stdint.h>
 #include <string.h>
 #include <unistd.h>
 #include <sys/mman.h>
@@ -202,6 +212,77 @@ int kvt_perf_open(unsigned int type, unsigned long long config,
 }
 
 int kvt_perf_attr_size(void) { return (int)sizeof(struct perf_event_attr); }
+
+/* cachestat(2), Linux 6.5+. The number is the same on every architecture
+ * kvtier builds for (new syscalls share one table since 5.1); glibc and the
+ * bookworm UAPI headers do not know it yet. */
+#ifndef __NR_cachestat
+#define __NR_cachestat 451
+#endif
+struct kvt_cachestat_range { unsigned long long off, len; };
+struct kvt_cachestat {
+    unsigned long long nr_cache, nr_dirty, nr_writeback, nr_evicted, nr_recently_evicted;
+};
+
+/* Page-cache and evicted pages of each of n file ranges: one cachestat per
+ * range, in one call without the GIL. For shmem, nr_evicted counts the
+ * pages whose entry is a swap entry (also while the page still sits in the
+ * swap cache), nr_cache the pages in its page cache. Stops at the first
+ * failure: -1 with errno (ENOSYS: kernel before 6.5; EPERM: a seccomp
+ * filter that does not know the call). */
+long kvt_cachestat_ranges(int fd, const unsigned long long *offs,
+                          const unsigned long long *lens, size_t n,
+                          unsigned long long *cache,
+                          unsigned long long *evicted)
+{
+    for (size_t i = 0; i < n; i++) {
+        struct kvt_cachestat_range r = { offs[i], lens[i] };
+        struct kvt_cachestat cs;
+        if (syscall(__NR_cachestat, fd, &r, &cs, 0) < 0)
+            return -1;
+        cache[i] = cs.nr_cache;
+        evicted[i] = cs.nr_evicted;
+    }
+    return 0;
+}
+
+/* Map n ranges of a file read-only and shared, never touched, each as a VMA
+ * of its own: a PROT_NONE page between neighbours keeps the kernel from
+ * merging them, so /proc/self/smaps reports each range's Swap (for shmem the
+ * swap entries of exactly that range). Returns the base of the reservation
+ * (0 and errno on failure), each range's address in addrs, the length to
+ * unmap in *total. */
+unsigned long long kvt_map_ranges(int fd, const unsigned long long *offs,
+                                  const unsigned long long *lens, size_t n,
+                                  unsigned long long *addrs,
+                                  unsigned long long *total)
+{
+    unsigned long long ps = (unsigned long long)sysconf(_SC_PAGESIZE);
+    unsigned long long len = ps;
+    for (size_t i = 0; i < n; i++)
+        len += lens[i] + ps;
+    char *base = mmap(NULL, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (base == MAP_FAILED)
+        return 0;
+    char *pos = base + ps;
+    for (size_t i = 0; i < n; i++) {
+        if (mmap(pos, lens[i], PROT_READ, MAP_SHARED | MAP_FIXED, fd, (off_t)offs[i]) == MAP_FAILED) {
+            int saved = errno;
+            munmap(base, len);
+            errno = saved;
+            return 0;
+        }
+        addrs[i] = (unsigned long long)(uintptr_t)pos;
+        pos += lens[i] + ps;
+    }
+    *total = len;
+    return (unsigned long long)(uintptr_t)base;
+}
+
+int kvt_unmap(unsigned long long addr, unsigned long long len)
+{
+    return munmap((void *)(uintptr_t)addr, len);
+}
 """
 
 ffibuilder = FFI()

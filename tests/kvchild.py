@@ -1,7 +1,8 @@
 """A stand-in inference process for tests: maps a KV pool and obeys commands.
 
-Run as ``python tests/kvchild.py SIZE [--shared] [--thp] [--sparse]``. It maps SIZE bytes
-of anonymous memory, fills it with a deterministic pseudo-random pattern,
+Run as ``python tests/kvchild.py SIZE [--shared] [--memfd] [--thp] [--sparse]``. It maps
+SIZE bytes of anonymous memory (``--shared``: MAP_SHARED, i.e. shmem;
+``--memfd``: a memfd mapped shared), fills it with a deterministic pseudo-random pattern,
 prints ``ready <address> <size>`` and then reads commands from stdin, one per
 line, answering one line each:
 
@@ -35,8 +36,14 @@ def main() -> None:
     shared = "--shared" in sys.argv
     thp = "--thp" in sys.argv
     sparse = "--sparse" in sys.argv  # leave the pool untouched (never faulted in)
-    flags = mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE
-    buf = mmap.mmap(-1, size, flags=flags | mmap.MAP_ANONYMOUS, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    if "--memfd" in sys.argv:
+        fd = os.memfd_create("kvchild")
+        os.ftruncate(fd, size)
+        buf = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        os.close(fd)
+    else:
+        flags = mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE
+        buf = mmap.mmap(-1, size, flags=flags | mmap.MAP_ANONYMOUS, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
     buf.madvise(MADV_HUGEPAGE if thp else MADV_NOHUGEPAGE)
     arr = np.frombuffer(buf, dtype=np.uint8)

@@ -160,7 +160,10 @@ def _dominant_tier(r: Any, lut: np.ndarray, ntiers: int, swap_index: int | None)
     if swap_index is not None:
         per_tier[:, swap_index] += r.swapped
     total = per_tier.sum(axis=1)
-    return np.where(total > 0, per_tier.argmax(axis=1), TIER_UNKNOWN).astype(np.int8), total > 0
+    # Shared memory in RAM that the owner has not mapped is on no node of its
+    # own, yet touched: present, tier unknown.
+    touched = (total > 0) | (np.asarray(r.cached) > 0)
+    return np.where(total > 0, per_tier.argmax(axis=1), TIER_UNKNOWN).astype(np.int8), touched
 
 
 class _Worker:
@@ -1001,13 +1004,6 @@ class Engine:
             r = rows[ms]
             measured = job.measured_tier[ms]
             pres = job.present[ms]
-            if job.swap_index is not None:
-                # Swapped-out shared memory (MAP_SHARED, memfd, shm) has no swap
-                # PTE, so pagemap shows it as never touched; a block we know is
-                # in swap stays there until a page of it shows up again.
-                keep = ~pres & (t.tier[r] == job.swap_index)
-                measured = np.where(keep, np.int8(job.swap_index), measured)
-                pres = pres | keep
             if (t.tier[r] != measured).any() or ((flags[r] & np.uint8(F_NOT_PRESENT)) != 0).any():
                 self._dirty = True
             t.tier[r] = measured

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvchild import KVChild
-from kvtier.kernel import native
+from kvtier.kernel import native, shmem
 from kvtier.errors import InvalidArgument, PermissionDenied, ProcessGone, RangeNotMapped
 from kvtier.kernel.migrator import Migrator
 from kvtier.kernel.procfs import PM_PRESENT, PM_SWAP, Pagemap
@@ -63,6 +63,119 @@ def test_pageout_half_and_back_keeps_bytes(swapfile):
         assert res.swapped.sum() == 0
         assert (res.dominant_node() == 0).all()
         assert child.checksum() == before
+
+
+def smaps_kib(pid: int, addr: int) -> dict[str, int]:
+    """The kernel's Rss and Swap (KiB) of the mapping that starts at ``addr``."""
+    out: dict[str, int] = {}
+    mine = False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                mine = int(head.split("-")[0], 16) == addr
+            elif mine and head in ("Rss:", "Swap:"):
+                out[head[:-1]] = int(line.split()[1])
+    return out
+
+
+@pytest.fixture(params=["cachestat", "smaps"])
+def shmem_count(request, monkeypatch):
+    """Both ways kernel/shmem.py counts swapped shared memory: cachestat
+    (6.5+), and our own smaps where cachestat is missing or filtered."""
+    monkeypatch.setattr(shmem, "_cachestat_missing", request.param == "smaps")
+    return request.param
+
+
+@pytest.mark.parametrize("kind", ["--shared", "--memfd"])
+def test_shared_memory_goes_to_swap_and_really_comes_back(swapfile, kind, shmem_count):
+    """MAP_SHARED anonymous (mmap.mmap(-1, n), the README's pool) and memfd:
+    swapped shmem has no swap PTE. Before kernel/shmem.py its blocks read
+    "never touched" once paged out, pageout counted 0 pages done and pagein
+    read no page back yet reported success (Rss 0 / Swap 32 MiB after it)."""
+    pages = 32 * MiB // native.PAGE_SIZE
+    with KVChild(32 * MiB, kind) as child:
+        before = child.checksum()
+        mig = Migrator()
+        starts, lengths = blocks(child)
+        assert smaps_kib(child.pid, child.addr) == {"Rss": 32 * 1024, "Swap": 0}
+
+        half_s, half_l = blocks(child, 0, 8)
+        out = mig.pageout(child.pid, half_s, half_l)
+        assert out.block_ok.all() and out.errors == {}, out.to_dict()
+        assert out.done == pages // 2, out.to_dict()
+        assert smaps_kib(child.pid, child.addr) == {"Rss": 16 * 1024, "Swap": 16 * 1024}
+        res = mig.residency(child.pid, starts, lengths)
+        per_block = BLOCK // native.PAGE_SIZE
+        assert (res.swapped[:8] == per_block).all() and (res.swapped[8:] == 0).all(), res.to_dict()
+        assert res.absent.sum() == 0 and res.cached.sum() == 0 and res.errors == {}
+        assert (res.dominant_node()[:8] == -1).all() and (res.dominant_node()[8:] == 0).all()
+
+        back = mig.pagein(child.pid, half_s, half_l, 0)
+        assert back.block_ok.all() and back.errors == {}, back.to_dict()
+        assert back.done == pages // 2
+        # The kernel's view, not ours: every page mapped again, none in swap.
+        assert smaps_kib(child.pid, child.addr) == {"Rss": 32 * 1024, "Swap": 0}
+        res = mig.residency(child.pid, starts, lengths)
+        assert res.swapped.sum() == 0 and (res.dominant_node() == 0).all()
+        assert child.checksum() == before
+
+
+def test_pagein_reports_pages_that_did_not_come_back(swapfile):
+    """A pagein is checked against pagemap afterwards: pages still out are
+    NOT_PAGED_IN and their blocks not ok (here: swapped out again between
+    the touch and the check, by a pageout racing on another thread)."""
+    with KVChild(8 * MiB, "--shared") as child:
+        mig = Migrator()
+        starts, lengths = blocks(child)
+        assert mig.pageout(child.pid, starts, lengths).done == 8 * MiB // native.PAGE_SIZE
+        real = mig._move_all
+
+        def move_then_page_out_again(pid, addrs, node):
+            status = real(pid, addrs, node)
+            pidfd = native.pidfd_open(pid)
+            try:
+                native.process_madvise(pidfd, mig._iov(mig._layout(starts[:1], lengths[:1])), native.MADV_PAGEOUT)
+            finally:
+                os.close(pidfd)
+            return status
+
+        mig._move_all = move_then_page_out_again
+        back = mig.pagein(child.pid, starts, lengths, 0)
+        assert back.errors.get("NOT_PAGED_IN", 0) > 0, back.to_dict()
+        assert not back.block_ok[0] and back.block_ok[1:].all()
+
+
+def test_never_written_memory_is_untouched_not_a_failure(swapfile):
+    """Memory only read is mapped to the shared zero page: move_pages says
+    EFAULT. Before, such pages were residency errors (blocks tier -1 but
+    not "never touched"), failed moves (EFAULT) and failed pageouts
+    (NOT_PAGED_OUT), retried every tick."""
+    half = 4 * MiB
+    pages = half // native.PAGE_SIZE
+    with KVChild(2 * half, "--sparse") as child:
+        assert child.ask(f"write 0 {half} 7") == "ok"
+        assert child.ask(f"touch {half} {half}").startswith("ok")  # read faults: zero page
+        mig = Migrator()
+        starts, lengths = blocks(child)
+        with Pagemap(child.pid) as pm:
+            e = pm.read(child.addr + half, pages, native.PAGE_SIZE)
+        assert ((e & PM_PRESENT) != 0).all()  # mapped (to the zero page), not absent
+        res = mig.residency(child.pid, starts, lengths)
+        assert res.errors == {}, res.to_dict()
+        assert (res.node_pages[:2, 0] == BLOCK // native.PAGE_SIZE).all() and res.absent[:2].sum() == 0
+        assert (res.absent[2:] == BLOCK // native.PAGE_SIZE).all() and res.node_pages[2:].sum() == 0
+        assert (res.dominant_node()[2:] == -1).all()
+
+        mv = mig.move(child.pid, starts, lengths, 0)
+        assert mv.errors == {} and mv.block_ok.all(), mv.to_dict()
+        assert mv.done == pages
+        out = mig.pageout(child.pid, starts, lengths)
+        assert out.errors == {} and out.block_ok.all(), out.to_dict()
+        assert out.done == pages
+        back = mig.pagein(child.pid, starts, lengths, 0)
+        assert back.errors == {} and back.block_ok.all(), back.to_dict()
+        assert child.ask(f"touch 0 {half}") == f"ok {7 * pages}"
 
 
 def test_move_to_local_node_reports_every_page():

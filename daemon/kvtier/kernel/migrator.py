@@ -12,6 +12,14 @@ Kernel behaviour this module relies on (measured, see DESIGN.md):
 - move_pages(nodes=NULL) returns each page's node, -ENOENT for a page that
   is not present (never touched, or swapped out) and -EFAULT for an address
   outside any mapping. pagemap bit 62 tells swapped from never touched.
+- Anonymous memory only ever read is mapped to the shared zero page: pagemap
+  shows it present, move_pages answers -EFAULT (with or without a target
+  node). Such a page is never touched for kvtier, not a failure; so is a
+  -EFAULT page inside a mapping that pagemap shows absent (6.1 answers that
+  for anonymous memory without a page table yet).
+- Shared memory (shmem) swapped out has no swap PTE: pagemap and move_pages
+  show it like a page never touched. kernel/shmem.py asks the object
+  (cachestat, lseek) instead, for the pages that are not mapped.
 - A transparent huge page reports -EBUSY once yet is migrated; re-querying
   resolves it. A page that stays -EBUSY is pinned (long-term GUP: CUDA host
   registrations, RDMA) and is reported as unmovable.
@@ -33,7 +41,7 @@ import numpy as np
 
 from kvtier.kernel import native
 from kvtier.errors import InvalidArgument, os_error
-from kvtier.kernel import procmap
+from kvtier.kernel import procmap, shmem
 from kvtier.kernel.procfs import PM_PRESENT, PM_SWAP, Pagemap
 
 # Pages per move_pages call: large enough that syscall overhead vanishes,
@@ -46,6 +54,7 @@ DRY_RUN_RECORD = 1024
 
 _ENOENT = -errno.ENOENT
 _EBUSY = -errno.EBUSY
+_EFAULT = -errno.EFAULT
 
 
 def _errno_name(neg: int) -> str:
@@ -109,9 +118,16 @@ class Residency:
 
     node_pages: np.ndarray  # (blocks, nodes) int64: resident pages per node
     swapped: np.ndarray  # (blocks,) pages in swap
-    absent: np.ndarray  # (blocks,) pages never touched (not present, not swapped)
+    absent: np.ndarray  # (blocks,) pages never touched (not present, not swapped; zero page)
     errors: dict[str, int]  # other per-page statuses by errno name (EFAULT = unmapped)
     pages: np.ndarray  # (blocks,) pages per block
+    # (blocks,) shared memory in RAM but not mapped by the process (another
+    # process faulted it in; without cachestat also the swap cache): no node
+    cached: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.cached is None:
+            self.cached = np.zeros(len(self.pages), dtype=np.int64)
 
     @property
     def resident(self) -> np.ndarray:
@@ -131,6 +147,7 @@ class Residency:
             "absent": self.absent.tolist(),
             "errors": dict(self.errors),
             "pages": self.pages.tolist(),
+            "cached": self.cached.tolist(),
         }
 
 
@@ -268,13 +285,18 @@ class Migrator:
         if nb:
             for node in range(nn):  # a handful of nodes: one reduceat each
                 node_pages[:, node] = layout.per_block(status == node)
+        present = (pm & PM_PRESENT) != 0
         swapped_page = ((pm & PM_SWAP) != 0) & ~on_node
-        absent_page = (status == _ENOENT) & ~swapped_page
-        swapped = layout.per_block(swapped_page)
+        zero = (status == _EFAULT) & present
+        shm = shmem.shared_pages(pid, layout, on_node | present | swapped_page, self.proc_root, self.page_size)
+        absent_page = ((status == _ENOENT) | zero) & ~swapped_page & ~shm.data & ~shm.unknown
+        swapped = layout.per_block(swapped_page) + shm.swapped
         absent = layout.per_block(absent_page)
-        other = ~on_node & (status != _ENOENT)
+        other = ~on_node & (status != _ENOENT) & ~zero
         errors = _count_errors(status[other])
-        return Residency(node_pages, swapped, absent, errors, layout.pages)
+        for name, n in shm.errors.items():
+            errors[name] = errors.get(name, 0) + n
+        return Residency(node_pages, swapped, absent, errors, layout.pages, shm.cached)
 
     def check_mapped(self, pid: int, layout: PageLayout) -> None:
         """Raise RangeNotMapped unless every block lies inside the process's mappings.
@@ -289,6 +311,21 @@ class Migrator:
 
     # -- actions -----------------------------------------------------------
 
+    def _start_to_node(self, op: str, record_op: str, pid: int, starts, lengths, node: int
+                       ) -> tuple[PageLayout, float, MoveResult | None]:
+        """The opening of every move to a node: the node checked, the pages
+        laid out, a dry run recorded (its result returned), the range checked."""
+        if not 0 <= node <= self.max_node:
+            raise InvalidArgument(f"unknown NUMA node {node} (this machine has nodes 0-{self.max_node})")
+        layout = self._layout(starts, lengths)
+        t0 = time.monotonic()
+        if self.dry_run:
+            self.record.append({"op": record_op, "pid": pid, "pages": len(layout.addrs), "node": node})
+            return layout, t0, MoveResult(op, f"node {node}", len(layout.addrs), 0, dry_run=True,
+                                          page_size=self.page_size)
+        self.check_mapped(pid, layout)
+        return layout, t0, None
+
     @_locked
     def move(self, pid: int, starts: np.ndarray, lengths: np.ndarray | int, node: int) -> MoveResult:
         """Migrate the present pages of the blocks to ``node`` (move_pages).
@@ -296,16 +333,11 @@ class Migrator:
         Swapped-out pages are not present and are left where they are (use
         pagein); they do not count against a block being ok.
         """
-        if not 0 <= node <= self.max_node:
-            raise InvalidArgument(f"unknown NUMA node {node} (this machine has nodes 0-{self.max_node})")
-        layout = self._layout(starts, lengths)
-        t0 = time.monotonic()
-        if self.dry_run:
-            self.record.append({"op": "move_pages", "pid": pid, "pages": len(layout.addrs), "node": node})
-            return MoveResult("move", f"node {node}", len(layout.addrs), 0, dry_run=True, page_size=self.page_size)
-        self.check_mapped(pid, layout)
+        layout, t0, dry = self._start_to_node("move", "move_pages", pid, starts, lengths, node)
+        if dry is not None:
+            return dry
         status = self._move_all(pid, layout.addrs, node)
-        return self._result("move", f"node {node}", layout, status, node, t0)
+        return self._result("move", f"node {node}", layout, status, node, t0, pid)
 
     def _move_all(self, pid: int, addrs: np.ndarray, node: int) -> np.ndarray:
         """move_pages over the whole batch in batch_pages chunks, busy pages resolved."""
@@ -340,9 +372,24 @@ class Migrator:
         status[busy] = _EBUSY
         return status
 
-    def _result(self, op: str, target: str, layout: PageLayout, status: np.ndarray, node: int, t0: float) -> MoveResult:
+    def _untouched(self, pid: int, layout: PageLayout, status: np.ndarray) -> np.ndarray:
+        """Per page: -EFAULT from move_pages for memory never written (the
+        zero page, or no page table yet), not for an address gone meanwhile."""
+        efault = status == _EFAULT
+        if not efault.any():
+            return efault
+        present = (self._pagemap(pid, layout) & PM_PRESENT) != 0
+        if (efault & ~present).any():
+            try:
+                self.check_mapped(pid, layout)  # mapped before the move: still?
+            except InvalidArgument:
+                return efault & present
+        return efault
+
+    def _result(self, op: str, target: str, layout: PageLayout, status: np.ndarray, node: int, t0: float,
+                pid: int) -> MoveResult:
         done_page = status == node
-        ok_page = done_page | (status == _ENOENT)
+        ok_page = done_page | (status == _ENOENT) | self._untouched(pid, layout, status)
         bad_page = ~ok_page
         block_ok = layout.per_block(bad_page) == 0
         block_unmovable = layout.per_block(status == _EBUSY) > 0
@@ -396,10 +443,16 @@ class Migrator:
             os.close(pidfd)
         return self._swap_result("pageout", layout, pid, t0)
 
-    def _stuck_pages(self, pid: int, layout: PageLayout) -> np.ndarray:
-        """Indices of the layout's pages still present and not in swap."""
-        pm = self._pagemap(pid, layout)
-        return np.flatnonzero(((pm & PM_PRESENT) != 0) & ((pm & PM_SWAP) == 0))
+    def _stuck_pages(self, pid: int, layout: PageLayout, pm: np.ndarray | None = None) -> np.ndarray:
+        """Indices of the layout's pages still present and not in swap; the
+        zero page (memory only ever read) is not stuck, there is nothing to
+        page out."""
+        pm = self._pagemap(pid, layout) if pm is None else pm
+        stuck = np.flatnonzero(((pm & PM_PRESENT) != 0) & ((pm & PM_SWAP) == 0))
+        if len(stuck):
+            status = native.move_pages(pid, np.ascontiguousarray(layout.addrs[stuck]), None)
+            stuck = stuck[status != _EFAULT]
+        return stuck
 
     def _page_runs(self, addrs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(start, length) of each run of adjacent pages in sorted ``addrs``."""
@@ -415,7 +468,10 @@ class Migrator:
         present = (pm & PM_PRESENT) != 0
         # A present page after MADV_PAGEOUT was skipped: shared with another
         # process, pinned, or there is no swap space.
-        stuck = present & ~swapped
+        stuck = np.zeros(len(pm), dtype=bool)
+        stuck[self._stuck_pages(pid, layout, pm)] = True
+        # Shared memory in swap has no swap PTE: its object counts it.
+        shm = shmem.shared_pages(pid, layout, present | swapped, self.proc_root, self.page_size)
         errors = {"NOT_PAGED_OUT": int(stuck.sum())} if stuck.any() else {}
         block_ok = layout.per_block(stuck) == 0
         # Skipped pages are not evidence of pinning: a page being read at that
@@ -424,7 +480,7 @@ class Migrator:
         # off and marks a block unmovable only after repeated failures), never
         # "unmovable" at once: that froze hot blocks out of DRAM for good.
         return MoveResult(
-            op, "swap", len(layout.addrs), int(swapped.sum()), errors, block_ok,
+            op, "swap", len(layout.addrs), int(swapped.sum() + shm.swapped.sum()), errors, block_ok,
             np.zeros(len(block_ok), dtype=bool),
             time.monotonic() - t0, page_size=self.page_size,
         )
@@ -436,25 +492,38 @@ class Migrator:
         MADV_WILLNEED starts asynchronous swap-in of the whole range; reading
         one byte of each swapped page through process_vm_readv then faults
         it in synchronously (wherever the kernel allocates), and move_pages
-        finally puts every present page on ``node``.
+        finally puts every present page on ``node``. Swapped shared memory
+        has no swap PTE: its pages are those of its object holding data
+        that the process has not mapped (kernel/shmem.py); holes are not
+        read, which would allocate them. (process_madvise does not take
+        MADV_POPULATE_READ, 6.1 to 6.18: the read is the portable fault.)
+
+        Afterwards pagemap says which of those pages are mapped again; the
+        others are reported as NOT_PAGED_IN and their blocks as not ok.
         """
-        if not 0 <= node <= self.max_node:
-            raise InvalidArgument(f"unknown NUMA node {node} (this machine has nodes 0-{self.max_node})")
-        layout = self._layout(starts, lengths)
-        t0 = time.monotonic()
-        if self.dry_run:
-            self.record.append({"op": "pagein", "pid": pid, "pages": len(layout.addrs), "node": node})
-            return MoveResult("pagein", f"node {node}", len(layout.addrs), 0, dry_run=True, page_size=self.page_size)
-        self.check_mapped(pid, layout)
+        layout, t0, dry = self._start_to_node("pagein", "pagein", pid, starts, lengths, node)
+        if dry is not None:
+            return dry
         pm = self._pagemap(pid, layout)
-        swapped = np.flatnonzero((pm & PM_SWAP) != 0)
-        if len(swapped):
+        present = (pm & PM_PRESENT) != 0
+        private = (pm & PM_SWAP) != 0
+        shm = shmem.shared_pages(pid, layout, present | private, self.proc_root, self.page_size)
+        want = np.flatnonzero(private | shm.data)
+        if len(want):
             if native.HAS_PROCESS_MADVISE:
                 pidfd = native.pidfd_open(pid)
                 try:
                     native.process_madvise(pidfd, self._iov(layout), native.MADV_WILLNEED, f"pagein pid={pid}")
                 finally:
                     os.close(pidfd)
-            native.touch_remote(pid, np.ascontiguousarray(layout.addrs[swapped]))
+            native.touch_remote(pid, np.ascontiguousarray(layout.addrs[want]))
         status = self._move_all(pid, layout.addrs, node)
-        return self._result("pagein", f"node {node}", layout, status, node, t0)
+        res = self._result("pagein", f"node {node}", layout, status, node, t0, pid)
+        if len(want):
+            back = (self._pagemap(pid, layout)[want] & PM_PRESENT) != 0
+            if not back.all():
+                missing = np.zeros(len(layout.addrs), dtype=bool)
+                missing[want[~back]] = True
+                res.errors["NOT_PAGED_IN"] = int((~back).sum())
+                res.block_ok &= layout.per_block(missing) == 0
+        return res

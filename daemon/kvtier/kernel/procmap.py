@@ -82,15 +82,21 @@ def _query_range(path: str, start: int, length: int) -> list[procfs.Mapping]:
         os.close(fd)
 
 
+def mappings(pid: int, start: int, length: int, proc_root: str = "/proc") -> list[procfs.Mapping]:
+    """The mappings of ``pid`` that [start, start+length) overlaps, in address
+    order, up to the first gap (with the maps text fallback: every mapping)."""
+    path = os.path.join(proc_root, str(pid), procfs.PROC_MAPS)
+    try:
+        return _query_range(path, start, length)
+    except _Unsupported:
+        end = start + length
+        return [m for m in procfs.read_maps(pid, proc_root) if m.end > start and m.start < end]
+
+
 def check_range(pid: int, start: int, length: int, proc_root: str = "/proc", *, kv_only: bool = True) -> None:
     """Raise RangeNotMapped unless [start, start+length) lies in mappings of
     ``pid`` (KV-eligible ones with ``kv_only``; procfs.check_range rules)."""
-    path = os.path.join(proc_root, str(pid), procfs.PROC_MAPS)
-    try:
-        maps = _query_range(path, start, length)
-    except _Unsupported:
-        maps = procfs.read_maps(pid, proc_root)
-    procfs.check_range(maps, start, length, kv_only=kv_only)
+    procfs.check_range(mappings(pid, start, length, proc_root), start, length, kv_only=kv_only)
 
 
 class ProcProcesses:
