@@ -269,11 +269,11 @@ def test_pending_changes_compose(tree, engine_on):
     eng.mover.future = None
     tick(eng)
     # far and swap pins are back at their old numbers; the CXL one is
-    # unknown (its tier was gone meanwhile). Every block is then measured
-    # (never touched: no pages; the swap block stays in swap, as shared
-    # memory in swap shows no pages either).
+    # unknown (its tier was gone meanwhile). Every block is then measured:
+    # none has a page, so all are never touched (the swap block too: the
+    # migrator counts shared memory in swap, so no page means none).
     assert t.pin_tier.tolist() == [0, TIER_UNKNOWN, 2, 3]
-    assert t.tier.tolist() == [TIER_UNKNOWN, TIER_UNKNOWN, TIER_UNKNOWN, 3]
+    assert t.tier.tolist() == [TIER_UNKNOWN] * 4
 
 
 # -- per-process far-node affinity -------------------------------------------
