@@ -1,8 +1,9 @@
 """A stand-in inference process for tests: maps a KV pool and obeys commands.
 
-Run as ``python tests/kvchild.py SIZE [--shared] [--memfd] [--thp] [--sparse]``. It maps
-SIZE bytes of anonymous memory (``--shared``: MAP_SHARED, i.e. shmem;
-``--memfd``: a memfd mapped shared), fills it with a deterministic pseudo-random pattern,
+Run as ``python tests/kvchild.py SIZE [--shared] [--memfd] [--shm-file] [--thp]
+[--sparse]``. It maps SIZE bytes of anonymous memory (``--shared``:
+MAP_SHARED, i.e. shmem; ``--memfd``: a memfd mapped shared; ``--shm-file``:
+a /dev/shm file), fills it with a deterministic pseudo-random pattern,
 prints ``ready <address> <size>`` and then reads commands from stdin, one per
 line, answering one line each:
 
@@ -36,8 +37,13 @@ def main() -> None:
     shared = "--shared" in sys.argv
     thp = "--thp" in sys.argv
     sparse = "--sparse" in sys.argv  # leave the pool untouched (never faulted in)
-    if "--memfd" in sys.argv:
-        fd = os.memfd_create("kvchild")
+    if "--memfd" in sys.argv or "--shm-file" in sys.argv:
+        if "--memfd" in sys.argv:
+            fd = os.memfd_create("kvchild")
+        else:  # a POSIX shm file, unlinked at once (mapped as /dev/shm/NAME (deleted))
+            path = f"/dev/shm/kvchild-{os.getpid()}"
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            os.unlink(path)
         os.ftruncate(fd, size)
         buf = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         os.close(fd)

@@ -87,10 +87,10 @@ def shmem_count(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("kind", ["--shared", "--memfd"])
+@pytest.mark.parametrize("kind", ["--shared", "--memfd", "--shm-file"])
 def test_shared_memory_goes_to_swap_and_really_comes_back(swapfile, kind, shmem_count):
-    """MAP_SHARED anonymous (mmap.mmap(-1, n), the README's pool) and memfd:
-    swapped shmem has no swap PTE. Before kernel/shmem.py its blocks read
+    """MAP_SHARED anonymous (mmap.mmap(-1, n), the README's pool), memfd and
+    a /dev/shm file: swapped shmem has no swap PTE. Before kernel/shmem.py its blocks read
     "never touched" once paged out, pageout counted 0 pages done and pagein
     read no page back yet reported success (Rss 0 / Swap 32 MiB after it)."""
     pages = 32 * MiB // native.PAGE_SIZE
