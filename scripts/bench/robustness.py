@@ -71,6 +71,7 @@ def good_client(sock: str, seconds: float, tx) -> None:
     c = Client(sock)
     region = c.register(buf, block_size=65536, name="good")
     lat = []
+    slow = []  # (perf_counter start, seconds) of requests over 2 ms, to line up with --loop-profile
     errors = 0
     end = time.monotonic() + seconds
     while time.monotonic() < end:
@@ -79,10 +80,13 @@ def good_client(sock: str, seconds: float, tx) -> None:
             region.query()
         except Exception:
             errors += 1
-        lat.append(time.perf_counter() - t0)
+        dt = time.perf_counter() - t0
+        lat.append(dt)
+        if dt > 0.002:
+            slow.append((t0, dt))
         time.sleep(0.002)
     region.unregister()
-    tx.send({"lat": lat, "errors": errors})
+    tx.send({"lat": lat, "errors": errors, "slow": slow})
 
 
 def _drop() -> None:
@@ -207,7 +211,7 @@ def run_phase(ctx, sock: str, seconds: float) -> dict:
     out = rx.recv()
     p.join()
     lat = np.array(out["lat"])
-    return {"requests": int(lat.size), "errors": out["errors"],
+    return {"requests": int(lat.size), "errors": out["errors"], "slow": out["slow"],
             "p50_ms": float(np.percentile(lat, 50) * 1e3), "p99_ms": float(np.percentile(lat, 99) * 1e3),
             "max_ms": float(lat.max() * 1e3), "over_100ms": int((lat > 0.1).sum())}
 
@@ -216,7 +220,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--json")
+    ap.add_argument("--attacks", default=",".join(ATTACKS),
+                    help="comma-separated subset of: %(default)s")
+    ap.add_argument("--loop-profile", metavar="OUT.json",
+                    help="time every event-loop callback of the daemon (scripts/bench/loop_profile.py)")
     a = ap.parse_args()
+    kinds = [k for k in a.attacks.split(",") if k]
+    if set(kinds) - set(ATTACKS):
+        ap.error(f"unknown attacks {sorted(set(kinds) - set(ATTACKS))}")
     if os.geteuid() != 0:
         raise SystemExit("run as root (attackers drop to uid nobody)")
     work = tempfile.mkdtemp(prefix="kvtier-robust-")
@@ -227,10 +238,16 @@ def main() -> int:
         f.write(f'[daemon]\nsocket = "{sock}"\nstate_file = "{work}/state.json"\nsocket_mode = 0o666\n'
                 "[metrics]\nenabled = false\n")
     log = os.path.join(work, "log")
-    d = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", "-c", cfg], stderr=open(log, "w"))
+    cmd = [sys.executable, "-m", "kvtier.daemon", "-c", cfg]
+    if a.loop_profile:
+        here = os.path.dirname(os.path.abspath(__file__))
+        cmd = [sys.executable, os.path.join(here, "loop_profile.py"), os.path.abspath(a.loop_profile),
+               "--", "-c", cfg]
+    d = subprocess.Popen(cmd, stderr=open(log, "w"))
     wait_ready(d, sock, log)
     ctx = multiprocessing.get_context("fork")
     time.sleep(1.0)
+    load_before = os.getloadavg()
     before = proc_status(d.pid)
     baseline = run_phase(ctx, sock, a.seconds)
 
@@ -248,7 +265,7 @@ def main() -> int:
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     rx, tx = ctx.Pipe(duplex=False)
-    attackers = [ctx.Process(target=attacker, args=(k, sock, a.seconds + 2, tx)) for k in ATTACKS]
+    attackers = [ctx.Process(target=attacker, args=(k, sock, a.seconds + 2, tx)) for k in kinds]
     for p in attackers:
         p.start()
     attack = run_phase(ctx, sock, a.seconds)
@@ -266,7 +283,8 @@ def main() -> int:
     rc = d.wait(30)
     text = open(log).read()
     result = {
-        "machine": machine(), "seconds": a.seconds,
+        "machine": machine(), "seconds": a.seconds, "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(), "attack_kinds": kinds,
         "hostile_frames": sum(r["sent"] for r in reports),
         "attacks": {r["kind"]: {"sent": r["sent"], "error": r["error"]} for r in reports},
         "daemon_crashed": crashed, "daemon_exit": rc, "tracebacks": text.count("Traceback"),
@@ -276,7 +294,9 @@ def main() -> int:
         "fds_before": before["fds"], "fds_after": after.get("fds"),
         "threads_before": before["Threads"], "threads_after": after.get("Threads"),
     }
+    slow = {"baseline": baseline.pop("slow"), "attack": attack.pop("slow")}
     print(json.dumps(result, indent=2))
+    result["slow_requests"] = slow  # in the --json file only
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=2)
