@@ -55,8 +55,12 @@ TIMES_DTYPE = np.dtype("<f8")
 BLOCK_ANSWER_BYTES = TIERS_DTYPE.itemsize + TEMPS_DTYPE.itemsize + FLAGS_DTYPE.itemsize + TIMES_DTYPE.itemsize
 # query/blocks answers are pages of at most this many bytes of packed arrays
 # (and within max_message_bytes); ANSWER_OVERHEAD is kept for the map around
-# them (keys, tier names: at most 64 tiers of short names).
-MAX_ANSWER_BYTES = 1024 * 1024
+# them (keys, tier names: at most 64 tiers of short names). One frame is the
+# least a connection's turn does, so this bounds what another client waits
+# behind: a 256 KiB page is built, encoded and written in under a
+# millisecond here (a 1 MiB page took 3-4 ms, page faults of its copies
+# included).
+MAX_ANSWER_BYTES = 256 * 1024
 ANSWER_OVERHEAD = 4096
 
 # User-space addresses are below 2**57 (5-level paging); msgspec bounds are int64.

@@ -202,6 +202,56 @@ def test_pipelined_flood_gets_turns_not_the_whole_loop(workdir):
         assert d.stop() == 0
 
 
+def test_backlogged_connections_delay_another_request_by_one_turn_not_one_each(workdir):
+    """Defect 2, fairness: ten connections each with a backlog of pipelined
+    requests; a request from an eleventh connection is answered after about
+    one of their turns, not after a turn of every one of them (each queued
+    its own turn, all of which ran before the loop polled the sockets again:
+    robustness.py's good client waited 20-40 ms behind ten flooders).
+    Measured in frames the daemon answered in between, not in time."""
+    from kvtier.server import FRAMES_PER_TURN
+
+    d = DaemonProc(workdir, FLOOD_LIMITS).start()
+    try:
+        nconn, flood = 10, 20_000
+        frame = protocol.frame(msgspec.msgpack.encode({"op": "unregister", "id": 7, "region": (1 << 31) - 1}))
+        good = _connect(d.sock)
+        reader = protocol.FrameReader(1 << 30)
+        raw_call(good, reader, {"op": "hello", "id": 1})
+        bads = []
+        for _ in range(nconn):
+            b = _connect(d.sock)
+            b.setsockopt(socket.SOL_SOCKET, SO_SNDBUFFORCE, 8 << 20)
+            bads.append(b)
+        for b in bads:
+            b.sendall(frame * flood)
+        deadline = time.monotonic() + DEADLINE
+        while any(_outq(b) == len(frame) * flood for b in bads):
+            assert time.monotonic() < deadline, "the daemon never read the floods"
+            time.sleep(0.001)
+
+        def answered() -> int:
+            return raw_call(good, reader, {"op": "stats", "id": 2}).result["errors"].get("unregister:not_found", 0)
+
+        # Back to back: what the daemon answers between two of our answers
+        # is what our request waited behind.
+        prev = answered()
+        between = []
+        for _ in range(30):
+            n = answered()
+            between.append(n - prev)
+            prev = n
+        assert prev < nconn * flood, "the floods were over before the samples: nothing was measured"
+        median = sorted(between)[len(between) // 2]
+        assert median <= 3 * FRAMES_PER_TURN, (
+            f"a request waited behind a median of {median} flood frames (turns of <= {FRAMES_PER_TURN}): {between}")
+        for b in bads:
+            b.close()
+        good.close()
+    finally:
+        assert d.stop() == 0
+
+
 def test_unread_answers_stop_the_daemon_answering(workdir):
     """Defect 2: a client that pipelines big requests and reads nothing gets
     at most the unread-answer high water (4 MiB) answered ahead, not all of
