@@ -302,7 +302,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("hotness.damon", "max_nr_regions", int, _D.max_nr_regions,
            "Most regions (>= min_nr_regions): bounds DAMON's CPU cost.", 3, 1 << 31),
     Option("hotness.access_bits", "enabled", bool, _SOURCE_ON["access_bits"],
-           "Page accessed bits (not used where DAMON runs: both would clear the same bits)."),
+           "Page accessed bits, where a self-test at start shows the kernel reports them (idle page tracking; "
+           "not in Debian's kernels); not used where DAMON runs: both would clear the same bits."),
     Option("hotness.access_bits", "mode", str, _kw_default(AccessBitSource, "mode"),
            "How to read them: idle page tracking, /proc/kpageflags, or auto (the first that works).",
            choices=("auto", *ACCESS_BIT_MODES)),

@@ -5,7 +5,8 @@
 
 Measures, for a child process holding a pool of --mib MiB:
   kpageflags  per-page pread vs coalesced runs (PfnFile) for every pool page,
-              plus the pagemap read that yields the PFNs;
+              plus the pagemap read that yields the PFNs, and the coalesced
+              read for each gap of GAPS (words read through, MAX_GAP's choice);
   perf        parse_records on as many samples as the pool has pages (the
               worst case: every page major-faulted within one tick);
   damon       collect latency (update_schemes_tried_regions + region reads)
@@ -41,6 +42,9 @@ from kvtier.kernel.sources import perf as pf  # noqa: E402
 from kvtier.kernel.sysfs_io import SysfsIO  # noqa: E402
 
 
+GAPS = (0, 4, 16, 64, 256)
+
+
 def best_of(fn, n=15):
     best = float("inf")
     out = None
@@ -65,6 +69,11 @@ def bench_kpageflags(c: KVChild) -> dict:
 
         t_runs, calls = best_of(runs)
         t_single, _ = best_of(lambda: [os.pread(f.fd, 8, int(p) * 8) for p in pfn.tolist()], 3)
+        gaps = {}
+        for gap in GAPS:
+            f.max_gap = gap
+            t_gap, n_gap = best_of(runs)
+            gaps[str(gap)] = {"ms": round(t_gap * 1e3, 2), "syscalls": int(n_gap)}
     finally:
         f.close()
     return {
@@ -75,6 +84,8 @@ def bench_kpageflags(c: KVChild) -> dict:
         "kpageflags_runs_ms": round(t_runs * 1e3, 2),
         "kpageflags_runs_syscalls": int(calls),
         "distinct_pfn_runs_gap0": int(len(ab.runs(np.unique(pfn), 0)[0])),
+        "max_gap": ab.MAX_GAP,
+        "by_gap": gaps,
     }
 
 

@@ -54,10 +54,10 @@ MODE_KPAGEFLAGS = "kpageflags"
 MODES = (MODE_PAGE_IDLE, MODE_KPAGEFLAGS)
 
 # A word read but not needed costs the kernel one page-flag lookup; a new
-# pread costs a syscall plus Python overhead. Measured on the 6.18 host for
-# a 256 MiB pool (65536 pages in ~27000 PFN runs): gap 0 37-64 ms, 4 31-47,
-# 16 25-26, 64 60-75 ms; one pread per page 113 ms. Gaps up to this many
-# words are read through.
+# pread costs a syscall plus Python overhead. scripts/bench/sources_overhead.py
+# (by_gap; docs/benchmarks.md) on the 6.18 host, 256 MiB pool: gap 0 31-35 ms,
+# 4 26-29, 16 17-26, 64 30-34, 256 33-40; one pread per page 65-70 ms. Gaps
+# up to this many words are read through.
 MAX_GAP = 16
 
 SELFTEST_PAGES = 64
