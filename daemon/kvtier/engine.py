@@ -110,6 +110,7 @@ class MoveJob:
     engine_pos: np.ndarray | None = None
     ok: np.ndarray | None = None
     unmovable: np.ndarray | None = None
+    untouched: np.ndarray | None = None  # no page written yet: nothing moved, never touched
     dry: np.ndarray | None = None  # planned moves a dry run did not make
     failures: collections.Counter = field(default_factory=collections.Counter)  # (src, dst, errno) -> pages
     measured_tier: np.ndarray | None = None  # failed moves, re-measured after the move (-1: not)
@@ -704,6 +705,7 @@ class Engine:
         n = job.region.size
         job.ok = np.zeros(n, dtype=bool)
         job.unmovable = np.zeros(n, dtype=bool)
+        job.untouched = np.zeros(n, dtype=bool)
         job.dry = np.zeros(n, dtype=bool)
         keys = np.stack([job.pid.astype(np.int64), job.src.astype(np.int64), job.dst.astype(np.int64)], axis=1)
         uniq, inv = np.unique(keys, axis=0, return_inverse=True)
@@ -735,6 +737,8 @@ class Engine:
                 continue
             job.ok[sel] = res.block_ok
             job.unmovable[sel] = res.block_unmovable
+            if res.block_untouched is not None:
+                job.untouched[sel] = res.block_untouched
             for name, pages in res.errors.items():
                 job.failures[(int(src), int(dst), name)] += pages
             if res.errors:
@@ -781,7 +785,12 @@ class Engine:
             self._count_dry(job.src[dry & live], job.dst[dry & live], job.nbytes[dry & live])
         mv = np.flatnonzero(live & ~dry)
         if mv.size:
-            pol.record_results(t, rows[mv], job.ok[mv], job.unmovable[mv], now, self.policy_cfg, dst=job.dst[mv])
+            # A block with no page written yet moved nothing: it is never
+            # touched, not in the tier it was sent to (and not a migration).
+            unt = job.untouched[mv] if job.untouched is not None else np.zeros(mv.size, dtype=bool)
+            dst = np.where(unt, np.int8(TIER_UNKNOWN), job.dst[mv]).astype(np.int8)
+            pol.record_results(t, rows[mv], job.ok[mv], job.unmovable[mv], now, self.policy_cfg, dst=dst)
+            t.flags[rows[mv[unt]]] |= np.uint8(F_NOT_PRESENT)
             # A failed or partial move leaves pages wherever they are: the
             # mover measured them; what it could not measure is measured next.
             failed = mv[~job.ok[mv]]
@@ -793,7 +802,7 @@ class Engine:
             # last_move with its start).
             t.last_move[rows[failed[seen]]] = now
             t.flags[rows[failed[~seen]]] |= np.uint8(F_STALE)
-            okm = job.ok[mv]
+            okm = job.ok[mv] & ~unt
             pairs = np.stack([job.src[mv], job.dst[mv]], axis=1)[okm].astype(np.int64)
             nb = job.nbytes[mv][okm].astype(np.int64)
             if pairs.size:

@@ -481,7 +481,8 @@ class _Tick:
         stay[backoff] = S_BACKOFF
         stay[absent] = S_NOT_PRESENT
         stay[unmovable] = S_UNMOVABLE
-        stay[~self.known] = S_UNMEASURED
+        # a block measured never touched is not "unmeasured" for lack of a tier
+        stay[~self.known & ~absent] = S_UNMEASURED
         self.stay = stay
 
     def demotable(self, t: int) -> np.ndarray:

@@ -64,6 +64,7 @@ class MoveOutcome(Protocol):
     errors: dict[str, int]  # pages by errno name
     block_ok: np.ndarray | None
     block_unmovable: np.ndarray | None
+    block_untouched: np.ndarray | None  # no page written yet: never touched, nothing moved
     dry_run: bool
 
 

@@ -736,3 +736,49 @@ def test_measure_on_demand_measures_every_page(daemon):
     assert (r.query() == 0).all()  # every block in DRAM (tier 0), as this one-node host has it
     r.unregister()
     c.close()
+
+
+def test_never_written_blocks_are_never_touched_not_failed_moves(swapfile, workdir):
+    """Half a region written, half only read (read faults map the kernel's
+    zero page: move_pages answers EFAULT). On main the read half measured
+    tier -1 without the never-touched flag, and moving the region counted
+    EFAULT and NOT_PAGED_OUT failures (the issue saw 304 in one run)."""
+    from kvchild import KVChild
+
+    d = DaemonProc(workdir).start()
+    half = 4 << 20
+    try:
+        with KVChild(2 * half, "--sparse") as kv, ChildClient(d.sock, size=1 << 20) as owner:
+            assert kv.ask(f"write 0 {half} 7") == "ok"
+            assert kv.ask(f"touch {half} {half}").startswith("ok")
+            rid = str(owner("register_raw", addr=kv.addr, length=kv.size, pid=kv.pid)["region"])  # 1 MiB blocks
+            ctl(d, "measure", rid)
+
+            def blocks():
+                return json.loads(ctl(d, "--json", "blocks", rid).stdout)
+
+            never = 1 << 5  # flag 5 of `blocks`: never touched
+            wait_for(lambda: (b := blocks())["tiers"][:4] == [0] * 4
+                     and all(f & never for f in b["flags"][4:]), "written half in DRAM, read half never touched")
+            b = blocks()
+            assert b["tiers"][4:] == [-1] * 4 and not any(f & never for f in b["flags"][:4])
+            text = ctl(d, "blocks", rid).stdout.splitlines()
+            assert all(line.split()[3] == "-" for line in text[1 + 4 : 1 + 8]), text
+            assert "no page touched yet" in ctl(d, "explain", rid, "6").stdout
+
+            tiers = json.loads(ctl(d, "--json", "tiers").stdout)["tiers"]
+            swap = next(t for t in tiers if t["kind"] == "swap")
+            assert json.loads(ctl(d, "--json", "migrate", rid, swap["name"]).stdout) == {"queued": 8}
+            wait_for(lambda: blocks()["tiers"][:4] == [swap["index"]] * 4, "written half in swap")
+            assert json.loads(ctl(d, "--json", "migrate", rid, "0").stdout) == {"queued": 8}
+            wait_for(lambda: blocks()["tiers"][:4] == [0] * 4, "written half back")
+            time.sleep(0.5)  # a few more ticks: nothing retried, nothing failed
+            with d.client() as c:
+                st = c.stats()
+            assert st["migration_failed_pages"] == {}, st["migration_failed_pages"]
+            assert st["migrations"] == {f"0:{swap['index']}": 4, f"{swap['index']}:0": 4}, st["migrations"]
+            b = blocks()
+            assert b["tiers"][4:] == [-1] * 4 and all(f & never for f in b["flags"][4:])
+            assert kv.ask(f"touch 0 {half}") == f"ok {7 * half // 4096}"
+    finally:
+        assert d.stop() == 0

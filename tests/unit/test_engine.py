@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from kvtier import policy as pol
-from kvtier.blocks import F_STALE, F_UNMOVABLE, BlockTable
+from kvtier.blocks import F_NOT_PRESENT, F_STALE, F_UNMOVABLE, BlockTable
 from kvtier.engine import Engine
 from kvtier.errors import os_error
 from kvtier.hotness import Temperature
@@ -96,11 +96,13 @@ class FakeKernel:
     def _move_result(self, op, target, lay, idx, node):
         busy = np.isin(lay.addrs, np.fromiter(self.pinned, dtype=np.uint64, count=len(self.pinned)))
         present = self.loc[idx] >= 0
+        untouched = lay.per_block(self.loc[idx] != ABSENT) == 0
         self.loc[idx[present & ~busy]] = node
         bad = present & busy
         errors = {"EBUSY": int(bad.sum())} if bad.any() else {}
         ok = lay.per_block(bad) == 0
-        return MoveResult(op, target, len(idx), int((present & ~busy).sum()), errors, ok, ~ok, page_size=PAGE)
+        return MoveResult(op, target, len(idx), int((present & ~busy).sum()), errors, ok, ~ok, page_size=PAGE,
+                          block_untouched=untouched)
 
     def move(self, pid, starts, lengths, node):
         self._enter("move", pid, starts)
@@ -123,12 +125,13 @@ class FakeKernel:
         lay, idx = self._pages(starts, lengths)
         skip = np.isin(lay.addrs, np.fromiter(self.stuck, dtype=np.uint64, count=len(self.stuck)))
         present = self.loc[idx] >= 0
+        untouched = lay.per_block(self.loc[idx] != ABSENT) == 0
         self.loc[idx[present & ~skip]] = SWAP
         left = present & skip
         errors = {"NOT_PAGED_OUT": int(left.sum())} if left.any() else {}
         ok = lay.per_block(left) == 0
         res = MoveResult("pageout", "swap", len(idx), int((present & ~skip).sum()), errors, ok,
-                         np.zeros(len(ok), dtype=bool), page_size=PAGE)
+                         np.zeros(len(ok), dtype=bool), page_size=PAGE, block_untouched=untouched)
         self._leave("pageout")
         return res
 
@@ -333,6 +336,26 @@ def test_operator_moves_are_made_and_counted(rig):
     assert (r.kernel.where(3) == SWAP).all()
     assert r.stats.migrations[(DRAM, SWAP_TIER)] == 3
     assert r.engine.status()["manual_moves_pending"] == 0
+
+
+def test_a_block_never_written_is_not_moved_nor_failed(rig):
+    """Kills: `_finish_move` recording a block the migrator found untouched
+    (no page written: nothing moved) in the tier it was sent to, or
+    counting it as migrated."""
+    r = rig(8, capacity={DRAM: 64 * BLOCK})
+    r.settle()
+    r.kernel.where(3)[:] = ABSENT  # its pages went (MADV_DONTNEED by the engine, say)
+    r.engine.request_move(np.arange(r.rows().start + 2, r.rows().start + 5), SWAP_TIER)
+    r.tick()
+    assert r.tiers() == [0, 0, 1, -1, 1, 0, 0, 0]
+    assert r.table.flags[r.rows().start + 3] & F_NOT_PRESENT
+    assert r.stats.migrations[(DRAM, SWAP_TIER)] == 2
+    assert not r.stats.migration_failed_pages
+    assert r.table.fail_count[r.rows()].sum() == 0
+    # never planned while untouched: the next ticks make no call for it
+    r.kernel.calls.clear()
+    r.tick(3)
+    assert all(3 not in blocks for _, blocks in r.kernel.calls)
 
 
 def test_failed_moves_give_their_tokens_back(rig):

@@ -163,6 +163,9 @@ class MoveResult:
     seconds: float = 0.0
     dry_run: bool = False
     page_size: int = native.PAGE_SIZE
+    # (blocks,) no page written yet, nothing moved: the block is never touched,
+    # not where it was sent (ok all the same: never a failure)
+    block_untouched: np.ndarray | None = None
 
     @property
     def bytes_done(self) -> int:
@@ -178,6 +181,7 @@ class MoveResult:
             "errors": dict(self.errors),
             "blocks_ok": int(self.block_ok.sum()) if self.block_ok is not None else 0,
             "blocks_unmovable": int(self.block_unmovable.sum()) if self.block_unmovable is not None else 0,
+            "blocks_untouched": int(self.block_untouched.sum()) if self.block_untouched is not None else 0,
             "seconds": self.seconds,
             "dry_run": self.dry_run,
         }
@@ -389,7 +393,8 @@ class Migrator:
     def _result(self, op: str, target: str, layout: PageLayout, status: np.ndarray, node: int, t0: float,
                 pid: int) -> MoveResult:
         done_page = status == node
-        ok_page = done_page | (status == _ENOENT) | self._untouched(pid, layout, status)
+        untouched_page = (status == _ENOENT) | self._untouched(pid, layout, status)
+        ok_page = done_page | untouched_page
         bad_page = ~ok_page
         block_ok = layout.per_block(bad_page) == 0
         block_unmovable = layout.per_block(status == _EBUSY) > 0
@@ -397,9 +402,17 @@ class Migrator:
         wrong_node = bad_page & (status >= 0)
         if wrong_node.any():
             errors["WRONG_NODE"] = int(wrong_node.sum())
+        # A block of only not-present pages is never touched unless some of
+        # them are in swap (move() leaves swapped pages where they are).
+        untouched = layout.per_block(~untouched_page) == 0
+        if untouched.any():
+            pm = self._pagemap(pid, layout)
+            swapped = (pm & PM_SWAP) != 0
+            shm = shmem.shared_pages(pid, layout, ((pm & PM_PRESENT) != 0) | swapped, self.proc_root, self.page_size)
+            untouched &= layout.per_block(swapped | shm.data | shm.unknown) == 0
         return MoveResult(
             op, target, len(layout.addrs), int(done_page.sum()), errors, block_ok, block_unmovable,
-            time.monotonic() - t0, page_size=self.page_size,
+            time.monotonic() - t0, page_size=self.page_size, block_untouched=untouched,
         )
 
     def _iov(self, layout: PageLayout) -> np.ndarray:
@@ -479,10 +492,12 @@ class Migrator:
         # later try. So a failed pageout is a retryable failure (the policy backs
         # off and marks a block unmovable only after repeated failures), never
         # "unmovable" at once: that froze hot blocks out of DRAM for good.
+        # Present pages that are not stuck are the zero page: never written.
+        untouched = layout.per_block(stuck | swapped | shm.data | shm.unknown) == 0
         return MoveResult(
             op, "swap", len(layout.addrs), int(swapped.sum() + shm.swapped.sum()), errors, block_ok,
             np.zeros(len(block_ok), dtype=bool),
-            time.monotonic() - t0, page_size=self.page_size,
+            time.monotonic() - t0, page_size=self.page_size, block_untouched=untouched,
         )
 
     @_locked
