@@ -130,6 +130,20 @@ class KVChild:
     def checksum(self) -> str:
         return self.ask("sum")
 
+    def smaps_kib(self) -> dict[str, int]:
+        """The kernel's Rss and Swap (KiB) of the pool's mapping, from
+        /proc/PID/smaps: what the kernel itself counts, shared memory too."""
+        out: dict[str, int] = {}
+        mine = False
+        with open(f"/proc/{self.pid}/smaps") as f:
+            for line in f:
+                head = line.split()[0]
+                if "-" in head and not head.endswith(":"):
+                    mine = int(head.split("-")[0], 16) == self.addr
+                elif mine and head in ("Rss:", "Swap:"):
+                    out[head[:-1]] = int(line.split()[1])
+        return out
+
     def close(self) -> None:
         if self.proc.poll() is None:
             try:

@@ -65,20 +65,6 @@ def test_pageout_half_and_back_keeps_bytes(swapfile):
         assert child.checksum() == before
 
 
-def smaps_kib(pid: int, addr: int) -> dict[str, int]:
-    """The kernel's Rss and Swap (KiB) of the mapping that starts at ``addr``."""
-    out: dict[str, int] = {}
-    mine = False
-    with open(f"/proc/{pid}/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                mine = int(head.split("-")[0], 16) == addr
-            elif mine and head in ("Rss:", "Swap:"):
-                out[head[:-1]] = int(line.split()[1])
-    return out
-
-
 @pytest.fixture(params=["cachestat", "smaps"])
 def shmem_count(request, monkeypatch):
     """Both ways kernel/shmem.py counts swapped shared memory: cachestat
@@ -98,13 +84,13 @@ def test_shared_memory_goes_to_swap_and_really_comes_back(swapfile, kind, shmem_
         before = child.checksum()
         mig = Migrator()
         starts, lengths = blocks(child)
-        assert smaps_kib(child.pid, child.addr) == {"Rss": 32 * 1024, "Swap": 0}
+        assert child.smaps_kib() == {"Rss": 32 * 1024, "Swap": 0}
 
         half_s, half_l = blocks(child, 0, 8)
         out = mig.pageout(child.pid, half_s, half_l)
         assert out.block_ok.all() and out.errors == {}, out.to_dict()
         assert out.done == pages // 2, out.to_dict()
-        assert smaps_kib(child.pid, child.addr) == {"Rss": 16 * 1024, "Swap": 16 * 1024}
+        assert child.smaps_kib() == {"Rss": 16 * 1024, "Swap": 16 * 1024}
         res = mig.residency(child.pid, starts, lengths)
         per_block = BLOCK // native.PAGE_SIZE
         assert (res.swapped[:8] == per_block).all() and (res.swapped[8:] == 0).all(), res.to_dict()
@@ -115,7 +101,7 @@ def test_shared_memory_goes_to_swap_and_really_comes_back(swapfile, kind, shmem_
         assert back.block_ok.all() and back.errors == {}, back.to_dict()
         assert back.done == pages // 2
         # The kernel's view, not ours: every page mapped again, none in swap.
-        assert smaps_kib(child.pid, child.addr) == {"Rss": 32 * 1024, "Swap": 0}
+        assert child.smaps_kib() == {"Rss": 32 * 1024, "Swap": 0}
         res = mig.residency(child.pid, starts, lengths)
         assert res.swapped.sum() == 0 and (res.dominant_node() == 0).all()
         assert child.checksum() == before

@@ -136,6 +136,47 @@ def test_migrator_walks_a_region_through_every_tier(child_factory):
     assert child.checksum() == before
 
 
+@pytest.mark.parametrize("kind", ["--shared", "--memfd"])
+def test_shared_memory_walks_node0_node1_swap_and_home(child_factory, kind):
+    """Shared memory (mmap.mmap(-1, n): MAP_SHARED anonymous, and memfd) on
+    the 6.12 guest: to node 1, half out to NVMe swap (no swap PTE: the
+    migrator asks the object, cachestat here), back straight to node 0.
+    The kernel's own smaps and move_pages agree at each step; bytes equal."""
+    child = child_factory(8 * MiB, kind)
+    before = child.checksum()
+    mig = Migrator()
+    starts, lengths = block_ranges(child, BLOCK)
+    addrs = page_addrs(child.addr, child.size)
+    per_block = BLOCK // PAGE
+
+    def where() -> np.ndarray:
+        return native.move_pages(child.pid, addrs, None).reshape(-1, per_block)
+
+    r = mig.move(child.pid, starts, lengths, FAR_NODE)
+    assert r.done == r.pages and r.block_ok.all() and r.errors == {}, r.to_dict()
+    assert (where() == FAR_NODE).all()
+
+    r = mig.pageout(child.pid, starts[2:], lengths[2:])
+    assert r.done == 2 * per_block and r.block_ok.all() and r.errors == {}, r.to_dict()
+    assert child.smaps_kib() == {"Rss": 4 * 1024, "Swap": 4 * 1024}
+    res = mig.residency(child.pid, starts, lengths)
+    assert res.swapped.tolist() == [0, 0, per_block, per_block], res.to_dict()
+    assert list(res.dominant_node()) == [FAR_NODE, FAR_NODE, -1, -1]
+    assert res.absent.sum() == 0 and res.errors == {}
+
+    r = mig.pagein(child.pid, starts[2:], lengths[2:], DRAM_NODE)
+    assert r.done == 2 * per_block and r.block_ok.all() and r.errors == {}, r.to_dict()
+    assert child.smaps_kib() == {"Rss": 8 * 1024, "Swap": 0}
+    w = where()
+    assert (w[:2] == FAR_NODE).all() and (w[2:] == DRAM_NODE).all()
+    res = mig.residency(child.pid, starts, lengths)
+    assert list(res.dominant_node()) == [FAR_NODE, FAR_NODE, DRAM_NODE, DRAM_NODE] and res.swapped.sum() == 0
+
+    r = mig.move(child.pid, starts, lengths, DRAM_NODE)
+    assert r.block_ok.all() and (where() == DRAM_NODE).all(), r.to_dict()
+    assert child.checksum() == before
+
+
 def test_migrator_moves_transparent_huge_pages_whole(child_factory):
     """THP-backed blocks go to node 1 and back as huge pages (the -EBUSY per
     THP that move_pages reports is resolved, not reported as pinned)."""
