@@ -40,6 +40,9 @@ FIELDS: dict[str, np.dtype] = {
     "tier": np.dtype(np.int8),
     "pin_tier": np.dtype(np.int8),
     "temp": np.dtype(np.float32),
+    "fresh": np.dtype(np.float32),  # exp(-age/tau) of the block's current run of reads (kvtier.hotness)
+    "runs": np.dtype(np.float32),  # runs of reads since its first read (kvtier.hotness)
+    "born": np.dtype(np.float64),  # time of its first read
     "last_access": np.dtype(np.float64),
     "last_move": np.dtype(np.float64),
     "retry_at": np.dtype(np.float64),
@@ -53,6 +56,7 @@ _DEFAULTS = {
     "tier": TIER_UNKNOWN,
     "pin_tier": TIER_UNKNOWN,
     "last_access": -np.inf,
+    "born": -np.inf,
     "last_move": -np.inf,
     "retry_at": -np.inf,
 }
@@ -137,6 +141,8 @@ class BlockTable:
         for name, dflt in _DEFAULTS.items():
             a[name][sl] = dflt
         a["temp"][sl] = 0
+        a["fresh"][sl] = 0
+        a["runs"][sl] = 0
         a["fail_count"][sl] = 0
         self.n += count
         self.slices[region] = s

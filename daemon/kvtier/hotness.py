@@ -10,11 +10,38 @@ decay). A block read r times per second settles at r*tau, so tau sets how
 long the policy remembers: short tau follows phase changes, long tau smooths
 bursty decode schedules.
 
-The hotness sources (client hints, DAMON, access bits, perf samples) measure
-different things with different precision, so each carries a weight: a client
-hint says exactly which block was read, a DAMON region only that some page in
-a range was. ``SOURCE_WEIGHTS`` holds the defaults the sources pass to
-``add``.
+What a KV cache's reads look like shapes two corrections, both in
+``decay``/``add`` so every consumer of ``temp`` sees them:
+
+- A run of reads ends. Decode reads every block of a request at every step;
+  when the request finishes, its blocks are not read again (until a later
+  turn takes them). For a block read r times a second, a silence of s
+  seconds has probability exp(-r*s) if it were still being read, so besides
+  the decay every silent second multiplies the temperature by exp(-r) (r =
+  its current rate estimate; silence = time since its last read beyond one
+  decay interval, the slack a source reporting once per tick needs). Once
+  that chance is below exp(-``END_OF_RUN``) the run is over: temperature 0,
+  as phase ``free`` sets it. Sources that see a block only sometimes (DAMON,
+  a quarter weight) have a lower r, so their silences count for less.
+- A run of reads starts. A block read at r settles at r*tau only after a
+  few tau: one ``age`` seconds into its run holds r*tau*(1 - exp(-age/tau)).
+  Ranked by temperature alone, the blocks a KV cache has just written (a new
+  prompt's blocks, the block decode just opened, read by every following
+  step) would look colder than blocks read for a long time, and be the ones
+  demoted. So each block carries ``fresh`` = exp(-age/tau) of its run
+  (decayed with the temperature, set when a read starts a run: the first
+  read of a block, the first after its run ended or after phase ``free``),
+  and ``rate_temp`` = temp / (1 - fresh) is the unbiased estimate of r*tau
+  the policy ranks by (the bias correction of an exponential moving average
+  started at zero).
+
+Blocks whose run is over (temperature 0) are not all alike: a prefix many
+requests share (a system prompt, a popular document, a conversation that
+keeps coming back) starts run after run, a one-off prompt's block never
+again. ``runs`` counts a block's runs since its first read (``born``), and
+``reuse_rate`` = (runs - 1) / age is how often it has come back: the policy
+keeps the ones that come back most (a request's blocks are reused far more
+often the more often they were reused before, in both Mooncake traces).
 """
 
 from __future__ import annotations
@@ -45,6 +72,24 @@ SOURCE_WEIGHTS = {
 # at most 5 per tick) barely above promote_temp.
 DEFAULT_TAU_S = 5.0
 
+# A run of reads is over when a silence this many expected reads long has
+# happened (exp(-3): a 5 % chance if the block were still read at its rate).
+END_OF_RUN = 3.0
+# fresh at this value marks a block whose next read starts a new run
+_RESTART = np.float32(1.0)
+
+
+def reuse_rate(runs: np.ndarray, born: np.ndarray, now: float) -> np.ndarray:
+    """Runs after the first per second of the block's life (0 for a block read in one run only)."""
+    age = np.maximum(now - np.asarray(born, dtype=np.float64), 1.0)
+    return np.where(np.isfinite(age), np.maximum(np.asarray(runs, dtype=np.float64) - 1.0, 0.0) / age, 0.0)
+
+
+def rate_temp(temp: np.ndarray, fresh: np.ndarray) -> np.ndarray:
+    """Temperature corrected for how long the block has been read (see module doc)."""
+    # fresh is 1 only on a block whose run is over (temperature 0)
+    return np.asarray(temp, dtype=np.float64) / np.maximum(1.0 - np.asarray(fresh, dtype=np.float64), 1e-6)
+
 
 class Temperature:
     """Decays and feeds ``BlockTable.temp`` / ``last_access``; holds only the decay clock."""
@@ -54,6 +99,9 @@ class Temperature:
             raise ConfigError(f"hotness: tau_s must be a positive number, got {tau_s!r}")
         self.tau_s = float(tau_s)
         self.last_decay: float | None = None
+        # length of the last decay step: the reads a tick adds stand for that
+        # long, so a run of reads starts that old (never 0: no division by 0)
+        self.interval = 1.0
 
     def factor(self, dt: float) -> float:
         return math.exp(-max(0.0, dt) / self.tau_s)
@@ -61,10 +109,29 @@ class Temperature:
     def decay(self, table: BlockTable, now: float) -> None:
         """Age every temperature to ``now`` (no-op the first time and if time went back)."""
         if self.last_decay is not None and now > self.last_decay:
-            temp = table.temp
-            temp *= np.float32(self.factor(now - self.last_decay))
+            dt = now - self.last_decay
+            f = np.float32(self.factor(dt))
+            temp, fresh = table.temp, table.fresh
+            temp *= f
+            fresh[fresh < _RESTART] *= f
+            self._silence(table, now, dt)
+            self.interval = dt
         if self.last_decay is None or now > self.last_decay:
             self.last_decay = now
+
+    def _silence(self, table: BlockTable, now: float, dt: float) -> None:
+        """The end-of-run evidence (module doc): temperature times exp(-r * silent seconds of this step)."""
+        temp = table.temp
+        idle = now - table.last_access - self.interval
+        rows = np.flatnonzero((idle > 0) & (temp > 0))
+        if rows.size == 0:
+            return
+        r = rate_temp(temp[rows], table.fresh[rows]) / self.tau_s
+        expect = r * np.minimum(idle[rows], dt)  # reads this step's silence should have had
+        temp[rows] *= np.exp(-expect).astype(np.float32)
+        over = rows[r * idle[rows] > END_OF_RUN]
+        temp[over] = 0.0
+        table.fresh[over] = _RESTART
 
     def add(
         self,
@@ -82,11 +149,22 @@ class Temperature:
         if rows.min() < 0 or rows.max() >= n:
             raise InvalidArgument(f"hotness: row out of range 0..{n - 1}")
         c = np.broadcast_to(np.asarray(counts, dtype=np.float32), rows.shape)
+        la = table.last_access
+        # A read that starts a run (the block's first, or the first after its
+        # run ended): the run is one interval old (the reads of a tick stand
+        # for that long).
+        first = la[rows] == -np.inf
+        start = rows[(table.fresh[rows] >= _RESTART) | first]
+        if start.size:
+            table.temp[start] = 0.0
+            table.fresh[start] = np.float32(self.factor(self.interval))
+            np.add.at(table.runs, np.unique(start), np.float32(1.0))
+            born = rows[first]
+            table.born[born] = now
         # np.add.at (unbuffered, so duplicate rows add up) runs at 20-100 M
         # rows/s on numpy 2: faster than a full-length bincount even for
         # batches of a million (scripts/bench/sim_bench.py).
         np.add.at(table.temp, rows, c * np.float32(weight) if weight != 1.0 else c)
-        la = table.last_access
         la[rows] = np.maximum(la[rows], now)
 
     def add_region_hints(
@@ -126,5 +204,6 @@ def apply_phase(table: BlockTable, rows: np.ndarray, phase: str) -> None:
     elif phase == "free":
         flags[rows] |= np.uint8(F_PREFILL_DONE)
         table.temp[rows] = 0.0
+        table.fresh[rows] = _RESTART  # the next read (a later request taking it) starts a new run
     else:
         raise InvalidArgument(f"unknown phase {phase!r}")

@@ -8,7 +8,10 @@ adapter: the daemon and the simulator (``kvtier.sim``) run this same code.
 Control law (one call = one tick)
 ---------------------------------
 Temperatures come from ``kvtier.hotness`` (exponentially decayed access
-counts; a client's phase ``free`` sets a finished request's blocks to 0).
+counts that drop to 0 when a block's run of reads ends: a client's phase
+``free``, or a silence its read rate makes improbable); the policy ranks by
+``hotness.rate_temp``, which corrects a block that has only just started
+being read (a new prompt's, a new decode block) to the rate it is read at.
 The policy ranks blocks by (region priority, effective temperature, then
 recency: equal temperatures go oldest-read first); a block whose prefill is
 done (``F_PREFILL_DONE``) counts only ``prefill_done_factor`` of its
@@ -23,9 +26,10 @@ blocks it looked at and left alone, the rule that decided (``Plan.stay``,
    blocks demoted until it is back within quota.
 3. For each tier t, fastest first:
    a. ``_step_overflow``: above the high watermark the coldest residents are
-      demoted one tier down until usage reaches the low watermark (like
-      kswapd). What lands on t+1 may push t+1 over its own high watermark; it
-      is handled in t+1's turn (the cascade).
+      demoted one tier down until usage is back under it with room for the
+      next ``burst_s`` of allocations (never below the low watermark; the
+      cold ones below that go in step c). What lands on t+1 may push t+1
+      over its own high watermark; it is handled in t+1's turn (the cascade).
    b. ``_step_promote``: blocks in slower tiers at least ``promote_temp`` hot
       and hotter than anything step a just demoted from t (that room was made
       for new allocations, not for colder blocks), hottest first. They fill
@@ -85,6 +89,7 @@ from .blocks import (
     TIER_UNKNOWN,
 )
 from .errors import ConfigError
+from .hotness import rate_temp, reuse_rate
 
 MIB = 1 << 20
 
@@ -139,7 +144,8 @@ TIER_KINDS = ("dram", "far", "cxl", "swap")
 _PRIO_SCALE = 1e12
 _TEMP_CAP = 1e11
 _AGE_SPAN_S = 86400.0
-_AGE_TIE = 1e-6
+_AGE_TIE = 1e-12
+_REUSE_TIE = 1e-6
 
 
 @dataclass(frozen=True)
@@ -297,7 +303,11 @@ def empty_plan() -> Plan:
 
 
 def effective_temp(snap: Mapping[str, np.ndarray], cfg: PolicyConfig) -> np.ndarray:
-    eff = snap["temp"].astype(np.float64)
+    """What the policy ranks by: the read rate estimate (``hotness.rate_temp``,
+    so a block just written ranks by the rate it is read at, not by how
+    little it has been read so far), scaled by ``prefill_done_factor`` once
+    its prefill is done."""
+    eff = rate_temp(snap["temp"], snap["fresh"]) if "fresh" in snap else snap["temp"].astype(np.float64)
     done = (snap["flags"] & F_PREFILL_DONE) != 0
     eff[done] *= cfg.prefill_done_factor
     return eff
@@ -453,6 +463,14 @@ class _Tick:
         age = np.minimum((now - snap["last_access"]) * (_AGE_TIE / _AGE_SPAN_S), _AGE_TIE)
         key = np.minimum(self.eff, _TEMP_CAP)
         key -= age
+        if "runs" in snap:
+            # Among blocks whose run of reads is over, the ones that keep
+            # coming back (hotness.reuse_rate) go last; still below any read
+            # block (the term is below _REUSE_TIE).
+            ended = self.eff <= 0.0
+            if ended.any():
+                lam = reuse_rate(snap["runs"][ended], snap["born"][ended], now)
+                key[ended] += _REUSE_TIE * lam / (lam + 1.0)
         if self.prio.any():
             key += self.prio * _PRIO_SCALE
         self.key = key
@@ -534,8 +552,8 @@ def _step_quotas(x: _Tick) -> None:
 
 
 def _step_overflow(x: _Tick, t: int) -> float:
-    """3a. Above the high watermark, demote the coldest residents of ``t`` to
-    the low watermark (like kswapd). Returns the hottest key demoted (the
+    """3a. Above the high watermark, demote the coldest residents of ``t``
+    until it is back under it with room for the coming allocations. Returns the hottest key demoted (the
     floor promotion candidates must beat), -inf if none."""
     b = x.b
     if b.used[t] <= x.high[t]:
@@ -545,13 +563,12 @@ def _step_overflow(x: _Tick, t: int) -> float:
         return -np.inf
     k = min(b.budget_rows("demote", int(b.nb[cand].min())), cand.size)
     order = _ordered(cand, x.key, k, hottest_first=False)
-    # Urgent: back under the high watermark plus room for the next burst_s of
-    # allocations (DRAM must not spill new blocks to CXL). The rest, down to
-    # the low watermark, runs after the promotions.
+    # Back under the high watermark plus room for the next burst_s of
+    # allocations (DRAM must not spill new blocks to CXL), never below the low
+    # watermark. Not further: what is still warm stays until it is needed,
+    # since demoting it early only brings it back (cold blocks go in step c).
     urgent = b.used[t] - x.high[t] + (x.state.inflow_bps * x.cfg.burst_s if t == 0 else 0.0)
     gone = b.take(order, t + 1, R_OVERFLOW, min(urgent, b.used[t] - x.low[t]))
-    rest = b.take(order[gone.size :], t + 1, R_OVERFLOW, b.used[t] - x.low[t], late=True) if gone.size < order.size else gone[:0]
-    gone = np.concatenate([gone, rest])
     return float(x.key[gone].max()) if gone.size else -np.inf
 
 
@@ -768,7 +785,7 @@ def explain(
         return f"row {row}: no such block (table has {n})"
     t = int(snap["tier"][row])
     f = int(snap["flags"][row])
-    eff = float(effective_temp({k: snap[k][row : row + 1] for k in ("temp", "flags")}, cfg)[0])
+    eff = float(effective_temp({k: snap[k][row : row + 1] for k in ("temp", "flags", "fresh") if k in snap}, cfg)[0])
     tname = tiers[t].name if 0 <= t < T else ("unknown" if t == TIER_UNKNOWN else "mixed")
     out = [
         f"block row {row}: region {int(snap['region'][row])} index {int(snap['index'][row])}, "
@@ -790,7 +807,7 @@ def explain(
         if t > 0:
             faster = (snap["tier"] == t - 1) & ((snap["flags"] & (F_UNMOVABLE | F_MANUAL_PIN)) == 0)
             if faster.any():
-                e = effective_temp({k: snap[k][faster] for k in ("temp", "flags")}, cfg)
+                e = effective_temp({k: snap[k][faster] for k in ("temp", "flags", "fresh") if k in snap}, cfg)
                 cold = float(e.min())
                 out.append(
                     f"coldest block in tier {t - 1}: {cold:.3g}; displacing it needs > "

@@ -5,7 +5,7 @@ import pytest
 
 from kvtier.blocks import BlockTable
 from kvtier.errors import ConfigError, InvalidArgument
-from kvtier.hotness import SOURCE_WEIGHTS, Temperature
+from kvtier.hotness import SOURCE_WEIGHTS, Temperature, apply_phase, rate_temp
 
 BS = 2 << 20
 
@@ -18,14 +18,71 @@ def table(*counts):
 
 
 def test_decay_matches_closed_form():
+    # read at 0, decayed within one interval of that read: no silence yet,
+    # so only the exponential decay applies
     t = table(4)
     h = Temperature(tau_s=10.0)
     h.decay(t, 0.0)
     h.add(t, np.array([0, 1]), np.array([8.0, 2.0], dtype=np.float32), 0.0)
-    h.decay(t, 5.0)
-    h.decay(t, 12.0)
-    want = np.array([8.0, 2.0, 0, 0]) * math.exp(-12.0 / 10.0)
+    h.decay(t, 0.9)
+    want = np.array([8.0, 2.0, 0, 0]) * math.exp(-0.9 / 10.0)
     np.testing.assert_allclose(t.temp, want, rtol=1e-6)
+
+
+def _read_steadily(h, t, rows_rates, t0, t1, dt=1.0):
+    """Tick every dt; a block read r/s gets its reads at every tick if r*dt >= 1, else one read every 1/r s."""
+    k = t0
+    while k < t1:
+        h.decay(t, k)
+        for row, r in rows_rates:
+            if r * dt >= 1:
+                h.add(t, np.array([row]), r * dt, k)
+            elif round(k * r, 6) % 1 == 0:
+                h.add(t, np.array([row]), 1.0, k)
+        k += dt
+    return k
+
+
+def test_a_block_whose_reads_stop_goes_cold_at_the_pace_of_its_own_rate():
+    # Block 0 read 20/s (a decoding request), block 1 once every 4 s: both
+    # are last read at t=28. Two seconds of silence later the fast one's run
+    # is over (20+ expected reads missing), the slow one is where its own
+    # gaps between reads leave it (half an expected read missing).
+    t = table(2)
+    h = Temperature(5.0)
+    end = _read_steadily(h, t, [(0, 20.0), (1, 0.25)], 0.0, 29.0)
+    before = t.temp.copy()
+    h.decay(t, end + 1.0)
+    h.decay(t, end + 2.0)
+    assert t.temp[0] == 0.0
+    assert t.temp[1] > 0.4 * before[1] * math.exp(-2.0 / 5.0)
+    # a read after the end starts a new run: not held back by the old one
+    h.add(t, np.array([0]), 20.0, end + 2.0)
+    assert rate_temp(t.temp, t.fresh)[0] == pytest.approx(20.0 / (1 - math.exp(-1.0 / 5.0)), rel=1e-5)
+
+
+def test_rate_temp_ranks_a_block_just_written_by_the_rate_it_is_read_at():
+    # Block 0 read 10/s for a minute; block 1 allocated at t=59 and read at
+    # the same rate from then on: its raw temperature is a fifth of block 0's,
+    # its corrected one the same (within the discretisation).
+    t = table(2)
+    h = Temperature(5.0)
+    end = _read_steadily(h, t, [(0, 10.0)], 0.0, 59.0)
+    _read_steadily(h, t, [(0, 10.0), (1, 10.0)], end, end + 1.0)
+    assert t.temp[1] < 0.3 * t.temp[0]
+    rt = rate_temp(t.temp, t.fresh)
+    assert rt[1] == pytest.approx(rt[0], rel=0.1)
+
+
+def test_phase_free_ends_the_run_and_the_next_read_starts_one():
+    t = table(1)
+    h = Temperature(5.0)
+    end = _read_steadily(h, t, [(0, 10.0)], 0.0, 20.0)
+    apply_phase(t, np.array([0]), "free")
+    assert t.temp[0] == 0.0 and rate_temp(t.temp, t.fresh)[0] == 0.0
+    h.decay(t, end)
+    h.add(t, np.array([0]), 10.0, end)
+    assert rate_temp(t.temp, t.fresh)[0] == pytest.approx(10.0 / (1 - math.exp(-1.0 / 5.0)), rel=1e-5)
 
 
 def test_decay_ignores_time_going_back():

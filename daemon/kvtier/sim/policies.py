@@ -269,6 +269,8 @@ class Kvtier(SimPolicy):
         tb.tier[rows] = dst
         tb.flags[rows] = 0
         tb.temp[rows] = 0
+        tb.fresh[rows] = 0
+        tb.runs[rows] = 0
         tb.last_access[rows] = -np.inf
         tb.last_move[rows] = -np.inf
         tb.retry_at[rows] = -np.inf
