@@ -31,7 +31,7 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 from kvtier.errors import ConfigError
-from kvtier.hotness import DEFAULT_TAU_S
+from kvtier.hotness import DEFAULT_TAU_S, END_OF_RUN
 from kvtier.kernel import sources
 from kvtier.kernel import topology
 from kvtier.kernel.sources.accessbits import MODES as ACCESS_BIT_MODES
@@ -289,6 +289,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("hotness", "tau_s", float, DEFAULT_TAU_S,
            "Seconds of memory of block temperature: a block read r times a second settles at r * tau_s.",
            0, lo_open=True),
+    Option("hotness", "end_of_run", float, END_OF_RUN,
+           "A block's run of reads ends (temperature 0) once its silence had less than exp(-end_of_run) "
+           "chance at the rate it was read at; 0 = never (temperatures only decay).", 0),
     Option("hotness.damon", "enabled", bool, _SOURCE_ON["damon"],
            "DAMON virtual-address monitoring of registered processes."),
     Option("hotness.damon", "sample_us", int, _D.sample_us,

@@ -108,7 +108,7 @@ class Daemon:
         config was validated by config.load; announce() logs what was found)."""
         cfg, d, lim = self.cfg, self.cfg.daemon, self.cfg.limits
         self.table = BlockTable()
-        self.temperature = hotness.Temperature(cfg.hotness.tau_s)
+        self.temperature = hotness.Temperature(cfg.hotness.tau_s, cfg.hotness.end_of_run)
         self.watcher = PidfdWatcher(loop)
         self.registry = Registry(self.table, limits_of(cfg), self.stats, self.temperature,
                                  ProcProcesses(d.proc_root), self.watcher, on_change=self._state_dirty)
@@ -166,7 +166,8 @@ class Daemon:
             return None
         return record_mod.Recorder(cfg.record.dir, cfg.record.max_bytes, cfg.record.files, self.table,
                                    self.registry, self.engine.tier_states, lambda: self.engine.policy_cfg,
-                                   meta={"tick_s": cfg.daemon.tick_interval, "tau_s": cfg.hotness.tau_s})
+                                   meta={"tick_s": cfg.daemon.tick_interval, "tau_s": cfg.hotness.tau_s,
+                                         "end_of_run": cfg.hotness.end_of_run})
 
     def announce(self) -> None:
         """The structured events an operator reads at start: every tier found,
@@ -305,6 +306,7 @@ class Daemon:
         self.engine.residency_sample_pages = new.daemon.residency_sample_pages
         self.engine.source_cpu_budget = new.daemon.source_cpu_budget
         self.temperature.tau_s = new.hotness.tau_s
+        self.temperature.end_of_run = new.hotness.end_of_run
         self.watch.rules = watch_mod.parse_rules(new.watch)
         self.watch_schedule.interval = new.daemon.watch_interval
         self.migrator.dry_run = new.daemon.dry_run
@@ -313,7 +315,7 @@ class Daemon:
         self._reload_sources(old, new)
         if old.table("metrics") != new.table("metrics"):
             self._reload_metrics(new)
-        if any(k.startswith("record.") or k in ("daemon.tick_interval", "hotness.tau_s") for k in changed) \
+        if any(k.startswith("record.") or k in ("daemon.tick_interval", "hotness.tau_s", "hotness.end_of_run") for k in changed) \
                 and (old.record.enabled or new.record.enabled):
             if self.recorder is not None:
                 self.recorder.close()

@@ -15,14 +15,16 @@ What a KV cache's reads look like shapes two corrections, both in
 
 - A run of reads ends. Decode reads every block of a request at every step;
   when the request finishes, its blocks are not read again (until a later
-  turn takes them). For a block read r times a second, a silence of s
-  seconds has probability exp(-r*s) if it were still being read, so besides
-  the decay every silent second multiplies the temperature by exp(-r) (r =
-  its current rate estimate; silence = time since its last read beyond one
-  decay interval, the slack a source reporting once per tick needs). Once
-  that chance is below exp(-``END_OF_RUN``) the run is over: temperature 0,
-  as phase ``free`` sets it. Sources that see a block only sometimes (DAMON,
-  a quarter weight) have a lower r, so their silences count for less.
+  turn takes them). A block that got n reads (its temperature) over the
+  T = tau*(1 - fresh) seconds its run has counted so far would, if still
+  read at that rate, have missed a silence of s seconds with probability
+  (1 + s/T)^-n (Poisson reads, the rate's uncertainty after n of them
+  integrated out: one read says little, a hundred say a lot). Once that is
+  below exp(-``end_of_run``) the run is over: temperature 0, as phase
+  ``free`` sets it. Silence = time since the last read beyond one decay
+  interval (a source that reports once per tick is never silent between
+  ticks). A decoding request's blocks (20-30 reads/s) go cold within a
+  second of its end; a block read once waits 19 times its run's length.
 - A run of reads starts. A block read at r settles at r*tau only after a
   few tau: one ``age`` seconds into its run holds r*tau*(1 - exp(-age/tau)).
   Ranked by temperature alone, the blocks a KV cache has just written (a new
@@ -72,8 +74,8 @@ SOURCE_WEIGHTS = {
 # at most 5 per tick) barely above promote_temp.
 DEFAULT_TAU_S = 5.0
 
-# A run of reads is over when a silence this many expected reads long has
-# happened (exp(-3): a 5 % chance if the block were still read at its rate).
+# A run of reads is over once its silence had less than exp(-END_OF_RUN)
+# (5 %) chance if it were still read at its rate (config hotness.end_of_run).
 END_OF_RUN = 3.0
 # fresh at this value marks a block whose next read starts a new run
 _RESTART = np.float32(1.0)
@@ -94,10 +96,13 @@ def rate_temp(temp: np.ndarray, fresh: np.ndarray) -> np.ndarray:
 class Temperature:
     """Decays and feeds ``BlockTable.temp`` / ``last_access``; holds only the decay clock."""
 
-    def __init__(self, tau_s: float):
+    def __init__(self, tau_s: float, end_of_run: float = END_OF_RUN):
         if not tau_s > 0 or not math.isfinite(tau_s):
             raise ConfigError(f"hotness: tau_s must be a positive number, got {tau_s!r}")
+        if not end_of_run >= 0 or not math.isfinite(end_of_run):
+            raise ConfigError(f"hotness: end_of_run must be >= 0 (0: never), got {end_of_run!r}")
         self.tau_s = float(tau_s)
+        self.end_of_run = float(end_of_run)
         self.last_decay: float | None = None
         # length of the last decay step: the reads a tick adds stand for that
         # long, so a run of reads starts that old (never 0: no division by 0)
@@ -114,22 +119,23 @@ class Temperature:
             temp, fresh = table.temp, table.fresh
             temp *= f
             fresh[fresh < _RESTART] *= f
-            self._silence(table, now, dt)
+            self._silence(table, now)
             self.interval = dt
         if self.last_decay is None or now > self.last_decay:
             self.last_decay = now
 
-    def _silence(self, table: BlockTable, now: float, dt: float) -> None:
-        """The end-of-run evidence (module doc): temperature times exp(-r * silent seconds of this step)."""
+    def _silence(self, table: BlockTable, now: float) -> None:
+        """End the runs whose silence is improbable at their own rate (module doc)."""
+        if self.end_of_run <= 0:
+            return
         temp = table.temp
         idle = now - table.last_access - self.interval
         rows = np.flatnonzero((idle > 0) & (temp > 0))
         if rows.size == 0:
             return
-        r = rate_temp(temp[rows], table.fresh[rows]) / self.tau_s
-        expect = r * np.minimum(idle[rows], dt)  # reads this step's silence should have had
-        temp[rows] *= np.exp(-expect).astype(np.float32)
-        over = rows[r * idle[rows] > END_OF_RUN]
+        fresh = table.fresh[rows].astype(np.float64)
+        window = self.tau_s * np.maximum(1.0 - fresh, 1e-9)  # seconds of reads the count stands for
+        over = rows[temp[rows] * np.log1p(idle[rows] / window) > self.end_of_run]
         temp[over] = 0.0
         table.fresh[over] = _RESTART
 

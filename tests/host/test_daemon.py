@@ -119,6 +119,18 @@ def daemon(workdir):
     assert "Traceback" not in d.read_log(), d.read_log()
 
 
+@pytest.fixture
+def counting_daemon(workdir):
+    """For tests of how hinted counts add up and decay: runs of reads never
+    end on silence here (at 50 ms ticks one batch of hints would end within
+    a tick or two; tests/unit/test_hotness.py covers that rule)."""
+    d = DaemonProc(workdir, extra_config="[hotness]\nend_of_run = 0\n").start()
+    yield d
+    rc = d.stop()
+    assert rc == 0, d.read_log()
+    assert "Traceback" not in d.read_log(), d.read_log()
+
+
 # A client process: registers an anonymous mmap, then obeys commands on
 # stdin, answering one JSON line per command on stdout.
 CHILD = r"""
@@ -205,7 +217,8 @@ def measured(child) -> list[int]:
     return wait_for(probe, "residency measured")
 
 
-def test_register_hint_query_unregister(daemon):
+def test_register_hint_query_unregister(counting_daemon):
+    daemon = counting_daemon
     with ChildClient(daemon.sock) as child:
         r = child("register", name="kv0", tenant="team-a", priority=3, constraints=["never_swap"])
         assert r["nblocks"] == 16
@@ -507,7 +520,8 @@ def ctl(daemon, *args) -> subprocess.CompletedProcess:
     return subprocess.run([PY, "-m", "kvtier.ctl", "--socket", daemon.sock, *args], capture_output=True, text=True)
 
 
-def test_kvtierctl_against_the_daemon(daemon):
+def test_kvtierctl_against_the_daemon(counting_daemon):
+    daemon = counting_daemon
     with ChildClient(daemon.sock, size=4 << 20) as child:
         r = child("register", name="kv-ctl", tenant="t1")
         child("hint", blocks=[2, 2, 3])

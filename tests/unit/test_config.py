@@ -121,7 +121,7 @@ def test_values_are_read(tmp_path):
         ({"hotness": {"damon": {"aggr_ms": 5}}}, "hotness.damon.aggr_ms: unknown option"),
         ({"hotness": {"damon": {"aggr_us": 10}}}, "hotness.damon: need 0 < sample_us <= aggr_us"),
         ({"hotness": {"damon": {"min_nr_regions": 2}}}, "hotness.damon.min_nr_regions: must be >= 3"),
-        ({"hotness": {"damn": {}}}, "hotness.damn: unknown option (known in [hotness]: tau_s, access_bits,"),
+        ({"hotness": {"damn": {}}}, "hotness.damn: unknown option (known in [hotness]: tau_s, end_of_run, access_bits,"),
         ({"hotness": {"perf": {"enabled": "yes"}}}, "hotness.perf.enabled: expected bool"),
         ({"hotness": {"perf": {"ring_pages": 3}}}, "hotness.perf.ring_pages: must be a power of two"),
         ({"hotness": {"access_bits": {"mode": "x"}}}, "hotness.access_bits.mode: must be one of auto,"),

@@ -88,7 +88,8 @@ def test_recording_replays_with_the_live_hit_ratio(setup):
     assert [(x.name, x.kind, x.capacity_bytes) for x in cfg.tiers] == [("dram", "dram", 4 * MIB),
                                                                        ("swap", "swap", 1024 * MIB)]
     assert cfg.tick_s == 0.5
-    pol, tau = rec.settings()
+    pol, tau, end_of_run = rec.settings()
+    assert end_of_run == 0.0  # meta without it: a recording from before runs ended on silence
     assert tau == 5.0 and pol.capacity == {} and pol.high_wm == PolicyConfig().high_wm
     assert rec.sim_config(dram_gib=1).tiers[0].capacity_bytes == 1 << 30
 

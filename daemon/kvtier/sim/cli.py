@@ -22,7 +22,6 @@ import numpy as np
 
 from ..cli import add_version
 from ..errors import ConfigError, KvtierError
-from ..hotness import DEFAULT_TAU_S
 from ..policy import PolicyConfig
 from .gen import PRESETS, generate
 from .model import GIB, SimConfig, load_config
@@ -70,7 +69,7 @@ def sized_config(tr, args) -> SimConfig:
     return cfg
 
 
-def kvtier_settings(items: list[str] | None) -> tuple[PolicyConfig, float]:
+def kvtier_settings(items: list[str] | None) -> tuple[PolicyConfig, float, float]:
     """The daemon's shipped [policy] and [hotness] settings, with ``--set``
     overrides validated by the daemon's own option table (kvtier.config)."""
     from .. import config
@@ -81,14 +80,14 @@ def kvtier_settings(items: list[str] | None) -> tuple[PolicyConfig, float]:
     if bad:
         raise ConfigError(f"--set {bad[0]}: kvtier-sim takes policy.KEY=VALUE or hotness.KEY=VALUE")
     cfg = config.load(None, overrides=overrides)
-    return policy_config(cfg, lambda name: int(name)), float(cfg.get("hotness.tau_s"))
+    return (policy_config(cfg, lambda name: int(name)), float(cfg.get("hotness.tau_s")),
+            float(cfg.get("hotness.end_of_run")))
 
 
-def make_policy(name: str, settings: tuple[PolicyConfig, float] | None = None):
+def make_policy(name: str, settings: tuple[PolicyConfig, float, float] | None = None):
     cls = POLICIES[name]
     if name == "kvtier":
-        cfg, tau = settings or (PolicyConfig(), DEFAULT_TAU_S)
-        return cls(cfg, tau)
+        return cls(*settings) if settings else cls()
     return cls()
 
 
@@ -215,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--tick", type=float, help="seconds per policy tick")
     r.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
                    help="kvtier setting over the daemon's shipped default: policy.KEY (any PolicyConfig field) "
-                        "or hotness.tau_s; repeatable")
+                        "or hotness.KEY (tau_s, end_of_run); repeatable")
     r.add_argument("--json", action="store_true", help="JSON instead of a table")
     r.add_argument("--plot", help="directory for PNG plots")
     return ap
@@ -280,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
                 "trace": label,
                 "source": describe(tr),
                 "tiers": [asdict(t) for t in cfg.tiers],
-                "kvtier_settings": {"policy": asdict(settings[0]), "hotness": {"tau_s": settings[1]}},
+                "kvtier_settings": {"policy": asdict(settings[0]), "hotness": {"tau_s": settings[1],
+                                                                                  "end_of_run": settings[2]}},
                 "results": [{k: v for k, v in asdict(r).items() if k != "timeline"} for r in results],
                 "capacity_cost": cost,
             }

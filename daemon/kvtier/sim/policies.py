@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..blocks import F_NOT_PRESENT, FIELDS, TIER_UNKNOWN, BlockTable
-from ..hotness import DEFAULT_TAU_S, SOURCE_WEIGHTS, Temperature, apply_phase
+from ..hotness import DEFAULT_TAU_S, END_OF_RUN, SOURCE_WEIGHTS, Temperature, apply_phase
 from ..policy import PolicyConfig, PolicyState, plan, record_results, refund
 
 
@@ -239,7 +239,7 @@ class Damos(SimPolicy):
 
 class Kvtier(SimPolicy):
     """The daemon's own policy: kvtier.hotness temperatures + kvtier.policy.plan,
-    with the daemon's shipped defaults unless ``cfg`` / ``tau_s`` are given.
+    with the daemon's shipped defaults unless ``cfg`` / ``tau_s`` / ``end_of_run`` are given.
 
     It learns what the daemon learns from a client: every read as a hint
     (``Temperature.add``, weight of the ``hint`` source) and, for request
@@ -249,16 +249,17 @@ class Kvtier(SimPolicy):
 
     name = "kvtier"
 
-    def __init__(self, cfg: PolicyConfig | None = None, tau_s: float | None = None):
+    def __init__(self, cfg: PolicyConfig | None = None, tau_s: float | None = None, end_of_run: float | None = None):
         self.cfg = cfg if cfg is not None else PolicyConfig()
         self.tau_s = DEFAULT_TAU_S if tau_s is None else tau_s
+        self.end_of_run = END_OF_RUN if end_of_run is None else end_of_run
 
     def attach(self, eng):
         super().attach(eng)
         self.table = BlockTable(eng.n)
         self.table.add_region(0, 0, 0, eng.n * eng.block_bytes, eng.block_bytes)
         self.table.flags[:] = F_NOT_PRESENT
-        self.temp = Temperature(self.tau_s)
+        self.temp = Temperature(self.tau_s, self.end_of_run)
         self.state = PolicyState()
         self.tiers = [t.state(i) for i, t in enumerate(eng.cfg.tiers)]
         self.view = {name: getattr(self.table, name) for name in FIELDS}  # live, no copy: plan() is pure

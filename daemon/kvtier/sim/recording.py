@@ -94,11 +94,12 @@ class Recording:
                 tiers[i] = replace(tiers[i], capacity_bytes=max(1, int(gib * GIB)))
         return SimConfig(tuple(tiers), float(tick_s or self.meta.get("tick_s", 1.0)))
 
-    def settings(self) -> tuple[PolicyConfig, float]:
+    def settings(self) -> tuple[PolicyConfig, float, float]:
         """The recorded policy (capacity moved into the sim's tiers)."""
         known = {f.name for f in fields(PolicyConfig)}
         kw = {k: v for k, v in self.policy.items() if k in known and k != "capacity"}
-        return PolicyConfig(**kw), float(self.meta.get("tau_s", 30.0))
+        # recordings from before end_of_run existed: temperatures that only decayed
+        return PolicyConfig(**kw), float(self.meta.get("tau_s", 30.0)), float(self.meta.get("end_of_run", 0.0))
 
     def summary(self) -> str:
         live = "-" if self.live_fast_hit is None else f"{self.live_fast_hit:.1%}"
