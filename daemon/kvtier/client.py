@@ -33,7 +33,7 @@ import mmap
 import os
 import socket
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import msgspec
 import numpy as np
@@ -320,6 +320,24 @@ def register_range(obj: Any, length: int | None, addr: int | None) -> tuple[int,
     if addr is None or length is None:
         raise ValueError("register needs a buffer, or an address and a length")
     return addr, length, keep
+
+
+def next_page(op: str, fields: dict, answer: dict) -> dict | None:
+    """The request fields for the page after ``answer`` of a paged op
+    (``query``/``blocks`` continue at ``first``, ``regions`` at ``after``), or
+    None if ``answer`` was the last. A ``count`` keeps meaning the range
+    asked for first."""
+    nxt = answer.get("next")
+    if nxt is None:
+        return None
+    out = dict(fields)
+    if op == "regions":
+        out["after"] = nxt
+    else:
+        if out.get("count") is not None:
+            out["count"] -= nxt - out.get("first", 0)
+        out["first"] = nxt
+    return out
 
 
 def moved_mask(answer: Any, n: int) -> np.ndarray:
@@ -664,6 +682,22 @@ class Client:
         except KeyError:
             raise ValueError(f"unknown op {op!r}") from None
         return self.call(msgspec.convert(fields, t) if fields else t())
+
+    def pages(self, op: str, **fields: Any) -> Iterator[dict]:
+        """Every answer of a paged op, one request per page as the caller
+        iterates: ``query``/``blocks`` continue at ``first`` = ``next``,
+        ``regions`` at ``after`` = ``next``, until an answer has no ``next``."""
+        req: dict | None = fields
+        while req is not None:
+            r = self.request(op, **req)
+            yield r
+            req = next_page(op, req, r)
+
+    def regions(self, pid: int | None = None) -> Iterator[dict]:
+        """The regions this caller may see (all of them when privileged), by
+        ascending id, fetched a page at a time."""
+        for page in self.pages("regions", **({} if pid is None else {"pid": pid})):
+            yield from page["regions"]
 
     # -- API -------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """kvtierctl: the operator's view of kvtierd.
 
-    kvtierctl status | stats | tiers | regions [--pid P] | blocks REGION
+    kvtierctl status | stats | tiers | regions [--pid P] | blocks REGION [--first N] [--count N]
     kvtierctl migrate REGION TIER [--blocks 0-15,40] [--pin]
     kvtierctl measure REGION [--blocks 0-15,40]
     kvtierctl pin REGION [--tier T] [--blocks ...] | unpin REGION [--blocks ...]
@@ -11,15 +11,18 @@
 
 Every command takes ``--json`` and then prints exactly the daemon's answer
 (packed per-block arrays decoded to lists), so scripts never parse tables;
-errors then are JSON on stdout too. Exit status (kvtier.cli): 0 ok, 1 the
-daemon refused, 2 usage, 3 daemon not reachable; 141 when stdout closed early.
+errors then are JSON on stdout too. ``regions`` and ``blocks`` follow the
+daemon's pages: as a table each page is printed as it arrives; with --json
+the pages are merged into one answer of the whole range. Exit status
+(kvtier.cli): 0 ok, 1 the daemon refused, 2 usage, 3 daemon not reachable;
+141 when stdout closed early.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import msgspec
 import numpy as np
@@ -126,32 +129,73 @@ def cmd_tiers(c: Client, a) -> tuple[Any, str]:
     return r, table(("TIER", "NAME", "KIND", "NODES", "TOTAL", "FREE", "KVTIER", "BLOCKS"), rows)
 
 
-def cmd_regions(c: Client, a) -> tuple[Any, str]:
-    r = c.request("regions", **({"pid": a.pid} if a.pid else {}))
-    names = c.request("tiers")["tiers"]
-    names = [t["name"] for t in names]
-    rows = []
-    for x in r["regions"]:
-        by = ", ".join(f"{tier_label(names, int(t))}:{n}" for t, n in sorted(x["blocks_by_tier"].items()))
-        # "client" registered it itself; "watch:RULE" adopted it (zero-integration mode).
-        origin = f"watch:{x['adopted_by']}" if x.get("adopted_by") else "client"
-        plc = x.get("placement")
-        placed = (f"{plc['tier_name']}/node{plc['node']}" if plc else "-") + (" pinned" if x.get("pinned") else "")
-        rows.append((x["id"], x["pid"], x["name"] or "-", x["tenant"] or "-", x["priority"], human(x["length"]),
-                     human(x["block_size"]), x["nblocks"], by, ",".join(x["constraints"]) or "-", origin, placed))
-    return r, table(("ID", "PID", "NAME", "TENANT", "PRIO", "SIZE", "BLOCK", "BLOCKS", "TIERS", "CONSTRAINTS",
-                     "ORIGIN", "PLACED"), rows)
+class Paged:
+    """A command's answer that comes in pages: printed page by page as they
+    arrive (table columns sized by the first page), or with --json merged
+    into one document shaped like a single answer (``merge``)."""
+
+    def __init__(self, header: tuple[str, ...], pages: Iterator[Any], rows: Callable[[Any], list[tuple]],
+                 merge: Callable[[list[Any]], Any], legend: str = ""):
+        self.header, self.pages, self.rows, self.merge, self.legend = header, pages, rows, merge, legend
+
+    def lines(self) -> Iterator[str]:
+        widths = None
+        for page in self.pages:
+            rows = [tuple(str(v) for v in r) for r in self.rows(page)]
+            if widths is None:
+                widths = [max(len(r[i]) for r in [self.header, *rows]) for i in range(len(self.header))]
+                rows.insert(0, self.header)
+            for r in rows:
+                yield "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip()
+        if self.legend:
+            yield self.legend
+
+    def document(self) -> Any:
+        return self.merge(list(self.pages))
 
 
-def cmd_blocks(c: Client, a) -> tuple[Any, str]:
-    r = decode_blocks(c.request("blocks", region=a.region, first=a.first,
-                                **({"count": a.count} if a.count is not None else {})))
-    names = r["tier_names"]
-    rows = [(r["first"] + i, tier_label(names, t), f"{temp:.3g}", flag_string(f),
-             "never" if age == float("inf") else f"{age:.1f}s")
-            for i, (t, temp, f, age) in enumerate(zip(r["tiers"], r["temps"], r["flags"], r["last_access_age"]))]
-    legend = "flags: U unmovable, D keep_dram, S never_swap, P prefill done, M pinned, - not touched"
-    return r, table(("BLOCK", "TIER", "TEMP", "FLAGS", "LAST ACCESS"), rows) + "\n" + legend
+def cmd_regions(c: Client, a) -> Paged:
+    names = [t["name"] for t in c.request("tiers")["tiers"]]
+
+    def rows(page: dict) -> list[tuple]:
+        out = []
+        for x in page["regions"]:
+            by = ", ".join(f"{tier_label(names, int(t))}:{n}" for t, n in sorted(x["blocks_by_tier"].items()))
+            # "client" registered it itself; "watch:RULE" adopted it (zero-integration mode).
+            origin = f"watch:{x['adopted_by']}" if x.get("adopted_by") else "client"
+            plc = x.get("placement")
+            placed = (f"{plc['tier_name']}/node{plc['node']}" if plc else "-") + (" pinned" if x.get("pinned") else "")
+            out.append((x["id"], x["pid"], x["name"] or "-", x["tenant"] or "-", x["priority"], human(x["length"]),
+                        human(x["block_size"]), x["nblocks"], by, ",".join(x["constraints"]) or "-", origin, placed))
+        return out
+
+    return Paged(("ID", "PID", "NAME", "TENANT", "PRIO", "SIZE", "BLOCK", "BLOCKS", "TIERS", "CONSTRAINTS",
+                  "ORIGIN", "PLACED"),
+                 c.pages("regions", **({"pid": a.pid} if a.pid else {})), rows,
+                 lambda pages: {"regions": [x for p in pages for x in p["regions"]]})
+
+
+def _merge_blocks(pages: list[dict]) -> dict:
+    """Pages of one ``blocks`` range as the single answer of that range."""
+    out = {k: v for k, v in pages[0].items() if k != "next"}
+    for key in ("tiers", "temps", "flags", "last_access_age"):
+        out[key] = [v for p in pages for v in p[key]]
+    out["count"] = sum(p["count"] for p in pages)
+    return out
+
+
+def cmd_blocks(c: Client, a) -> Paged:
+    pages = (decode_blocks(r) for r in c.pages("blocks", region=a.region, first=a.first,
+                                                  **({"count": a.count} if a.count is not None else {})))
+
+    def rows(r: dict) -> list[tuple]:
+        names = r["tier_names"]
+        return [(r["first"] + i, tier_label(names, t), f"{temp:.3g}", flag_string(f),
+                 "never" if age == float("inf") else f"{age:.1f}s")
+                for i, (t, temp, f, age) in enumerate(zip(r["tiers"], r["temps"], r["flags"], r["last_access_age"]))]
+
+    return Paged(("BLOCK", "TIER", "TEMP", "FLAGS", "LAST ACCESS"), pages, rows, _merge_blocks,
+                 "flags: U unmovable, D keep_dram, S never_swap, P prefill done, M pinned, - not touched")
 
 
 def cmd_migrate(c: Client, a) -> tuple[Any, str]:
@@ -302,7 +346,22 @@ def main(argv: list[str] | None = None) -> int:
             data, text = cmd_topology(a)
         else:
             with Client(a.socket, timeout=a.timeout, reconnect_timeout=0, name="kvtierctl") as c:
-                data, text = COMMANDS[a.cmd](c, a)
+                answer = COMMANDS[a.cmd](c, a)
+                if isinstance(answer, Paged):
+                    if a.json:
+                        data, text = answer.document(), ""
+                    else:
+                        # Each page is printed before the next is asked for:
+                        # a region of millions of blocks starts at once and
+                        # is never held whole.
+                        try:
+                            for line in answer.lines():
+                                print(line, flush=True)
+                        except BrokenPipeError:
+                            return cli.stdout_closed()
+                        return 0
+                else:
+                    data, text = answer
     except argparse.ArgumentTypeError as e:
         ap.error(str(e))
     except KeyboardInterrupt:

@@ -156,8 +156,19 @@ class Tiers(Request, tag="tiers"):
     pass
 
 
+# A regions answer is a page of at most REGIONS_PAGE_MAX regions (the
+# caller's `limit`, REGIONS_PAGE_DEFAULT if it sets none), within
+# MAX_ANSWER_BYTES, and ends after the region that takes it past
+# REGIONS_PAGE_BLOCKS blocks (each region's summary reads its blocks).
+REGIONS_PAGE_DEFAULT = 256
+REGIONS_PAGE_MAX = 4096
+REGIONS_PAGE_BLOCKS = 1 << 20
+
+
 class Regions(Request, tag="regions"):
     pid: Pid | None = None
+    after: Annotated[int, Meta(ge=0, le=(1 << 31) - 1)] = 0  # ids above this one, ascending
+    limit: Annotated[int, Meta(ge=1, le=REGIONS_PAGE_MAX)] | None = None
 
 
 class Blocks(Request, tag="blocks"):
@@ -346,6 +357,11 @@ def _salvage_id(payload: bytes | memoryview) -> int:
         return 0
     # bool is an int subclass: an id of `false` must not be echoed as one.
     return rid if type(rid) is int and 0 <= rid < (1 << 63) else 0
+
+
+def encode_value(value: Any) -> bytes:
+    """MessagePack of one value, as it is inside a frame (for msgspec.Raw)."""
+    return _encoder.encode(value)
 
 
 def frame(payload: bytes) -> bytes:

@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import msgspec
 import numpy as np
 
 from kvtier import ages, logs, placement, protocol
@@ -504,20 +505,48 @@ class ControlAPI:
         return {"tiers": self.engine.tiers()}
 
     def op_regions(self, peer: Peer, req: protocol.Regions) -> dict:
-        table = self.registry.table
-        out = []
-        for r in self.registry.regions.values():
+        """One page of the regions the caller may see, by ascending id from
+        ``after``; ``next`` (the ``after`` of the following page) is present
+        when more remain. A page ends at ``limit`` regions, at
+        REGIONS_PAGE_BLOCKS blocks summarised, or before the region that
+        would take its encoding past min(max_message_bytes, MAX_ANSWER_BYTES)
+        (each region is encoded once, as it is added)."""
+        table, regions = self.registry.table, self.registry.regions
+        limit = req.limit or protocol.REGIONS_PAGE_DEFAULT
+        room = min(self.max_message_bytes, protocol.MAX_ANSWER_BYTES) - protocol.ANSWER_OVERHEAD
+        ids = np.fromiter(regions, dtype=np.int64, count=len(regions))
+        ids = np.sort(ids[ids > req.after])
+        out: list[msgspec.Raw] = []
+        used = blocks = 0
+        last = None
+        more = False
+        for rid in ids.tolist():
+            r = regions[rid]
             if req.pid is not None and r.pid != req.pid:
                 continue
             if not (peer.privileged or r.owner_uid == peer.uid):
                 continue
+            if len(out) >= limit or blocks >= protocol.REGIONS_PAGE_BLOCKS:
+                more = True
+                break
             d = r.to_dict()
             tiers = table.region_view(r.id, "tier")
-            vals, counts = np.unique(tiers, return_counts=True)
-            d["blocks_by_tier"] = {str(int(v)): int(c) for v, c in zip(vals, counts)}
+            # tier values are -2..63: one bincount, no sort
+            counts = np.bincount(tiers.astype(np.int64) + 2)
+            d["blocks_by_tier"] = {str(v - 2): int(counts[v]) for v in np.flatnonzero(counts).tolist()}
             d["temp_sum"] = float(table.region_view(r.id, "temp").sum())
-            out.append(d)
-        return {"regions": out}
+            raw = msgspec.Raw(protocol.encode_value(d))
+            if out and used + len(raw) > room:
+                more = True
+                break
+            out.append(raw)
+            used += len(raw)
+            blocks += r.nblocks
+            last = rid
+        page: dict[str, Any] = {"regions": out}
+        if more and last is not None:
+            page["next"] = last
+        return page
 
     def op_ages(self, peer: Peer, req: protocol.Ages) -> dict:
         """Bytes by time since last access, per tier and tenant, over the

@@ -39,7 +39,7 @@ def gather(client: Any, clock: Callable[[], float] = time.monotonic) -> Sample:
         "status": client.request("status"),
         "stats": client.request("stats"),
         "tiers": client.request("tiers")["tiers"],
-        "regions": client.request("regions")["regions"],
+        "regions": list(client.regions()),
     }
 
 

@@ -98,7 +98,7 @@ class DaemonProc:
 
     def regions(self) -> list[dict]:
         with self.client() as c:
-            return c.request("regions")["regions"]
+            return list(c.regions())
 
 
 @pytest.fixture

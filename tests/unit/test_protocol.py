@@ -226,13 +226,14 @@ def test_every_example_frame_in_protocol_md_is_what_the_code_sends():
         protocol.ok(1, {"region": 7, "blocks": 512, "block_size": 2 << 20, "pid": 1234}),
         protocol.encode_request(hint),
         protocol.ok(3, {"accepted": 3}),
+        protocol.encode_request(protocol.Regions(id=6, after=7, limit=2)),
         protocol.error(4, protocol.ProtocolError(protocol.E_NOT_FOUND, "no region 9")),
     ]
     assert len(docs) == len(expected), f"{len(docs)} dumps in the doc, {len(expected)} checked"
     for i, (doc, want) in enumerate(zip(docs, expected)):
         assert protocol.HEADER.unpack_from(doc)[0] == len(doc) - protocol.HEADER_SIZE, i
         assert len(doc) == len(want), i
-        if i in (0, 2):
+        if i in (0, 2, 4):
             assert protocol.decode_request(doc[4:]) == protocol.decode_request(want[4:]), i
         else:
             assert doc.hex() == want.hex(), i
