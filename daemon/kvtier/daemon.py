@@ -110,8 +110,10 @@ class Daemon:
         self.table = BlockTable()
         self.temperature = hotness.Temperature(cfg.hotness.tau_s, cfg.hotness.end_of_run)
         self.watcher = PidfdWatcher(loop)
+        self.recorder = self._recorder(cfg)
         self.registry = Registry(self.table, limits_of(cfg), self.stats, self.temperature,
-                                 ProcProcesses(d.proc_root), self.watcher, on_change=self._state_dirty)
+                                 ProcProcesses(d.proc_root), self.watcher, on_change=self._state_dirty,
+                                 recorder=self.recorder)
         self.topology = topo_mod.discover(d.sys_root, d.proc_root, topology_overrides(cfg))
         self.migrator = Migrator(proc_root=d.proc_root, dry_run=d.dry_run)
         # A dry run observes for real (DAMON monitoring moves no page): its
@@ -123,14 +125,12 @@ class Daemon:
             policy_config(cfg, self.registry.tenant_id), self.stats, loop,
             residency_interval=d.residency_interval, residency_pages_per_s=d.residency_pages_per_s,
             residency_sample_pages=d.residency_sample_pages, source_cpu_budget=d.source_cpu_budget,
-            sources=self.sources, availability=self.availability,
+            sources=self.sources, availability=self.availability, recorder=self.recorder,
         )
         self.hotplug = uevents.TopologyFollower(self.engine, self.stats, lambda: topo_mod.discover(
             d.sys_root, d.proc_root, topology_overrides(self.cfg), hotplug=True))
         self.uevents = uevents.UeventListener(loop, self.hotplug.on_burst)
         self.metrics = self._exporter(metrics_mod.MetricsConfig(**cfg.table("metrics")))
-        self.recorder = self._recorder(cfg)
-        self.registry.recorder = self.engine.recorder = self.recorder
         self.watch = watch_mod.Watcher(watch_mod.parse_rules(cfg.watch), self.registry, PsutilScanner(d.proc_root))
         self.watch_schedule = watch_mod.Schedule(self.watch, loop, d.watch_interval)
         self.api = ControlAPI(self.registry, self.engine, self.stats, lim.max_message_bytes, VERSION)
@@ -161,13 +161,15 @@ class Daemon:
             log.error("metrics exporter not started on %s:%d: %s", self.metrics.address, self.metrics.port, e)
             self.metrics = None
 
-    def _recorder(self, cfg: config.Config) -> record_mod.Recorder | None:
+    def _recorder(self, cfg: config.Config, in_force: tuple | None = None) -> record_mod.Recorder | None:
+        """At start the engine, built after it, writes the tiers and policy;
+        a reload's new recorder gets them (``in_force``) for its first file."""
         if not cfg.record.enabled:
             return None
         return record_mod.Recorder(cfg.record.dir, cfg.record.max_bytes, cfg.record.files, self.table,
-                                   self.registry, self.engine.tier_states, lambda: self.engine.policy_cfg,
                                    meta={"tick_s": cfg.daemon.tick_interval, "tau_s": cfg.hotness.tau_s,
-                                         "end_of_run": cfg.hotness.end_of_run})
+                                         "end_of_run": cfg.hotness.end_of_run},
+                                   in_force=in_force)
 
     def announce(self) -> None:
         """The structured events an operator reads at start: every tier found,
@@ -319,7 +321,8 @@ class Daemon:
                 and (old.record.enabled or new.record.enabled):
             if self.recorder is not None:
                 self.recorder.close()
-            self.recorder = self._recorder(new)
+            self.recorder = self._recorder(new, (self.engine.tier_states(), self.engine.policy_cfg))
+            # a reload swaps the collaborator the registry and engine were built with
             self.registry.recorder = self.engine.recorder = self.recorder
         # tick_interval and state_flush_delay are read from self.cfg where used.
         self.stats.config_reloads_total += 1

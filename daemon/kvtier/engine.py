@@ -49,7 +49,8 @@ from kvtier.blocks import (FIELDS, F_ENGINE, F_KEEP_DRAM, F_NEVER_SWAP, F_NOT_PR
 from kvtier.engine_moves import EngineMoves
 from kvtier.errors import InvalidArgument, KvtierError
 from kvtier.hotness import Temperature
-from kvtier.ports import AvailabilityView, HotnessSource, MigratorPort, ObservationView, TopologyView
+from kvtier.ports import (AvailabilityView, HotnessSource, MigratorPort, ObservationView, RecorderPort,
+                          TopologyView)
 from kvtier.registry import Registry
 from kvtier.stats import DaemonStats
 
@@ -115,6 +116,14 @@ class MoveJob:
     failures: collections.Counter = field(default_factory=collections.Counter)  # (src, dst, errno) -> pages
     measured_tier: np.ndarray | None = None  # failed moves, re-measured after the move (-1: not)
     seconds: float = 0.0
+
+    @classmethod
+    def of_rows(cls, table: BlockTable, rows: np.ndarray, src: np.ndarray, dst: np.ndarray, started: float,
+                **extra) -> MoveJob:
+        """The job for these table rows: the mover thread gets copies, never the live table."""
+        return cls(region=table.region[rows].astype(np.int64), index=table.index[rows].astype(np.int64),
+                   pid=table.pid[rows].copy(), addr=table.addr[rows].copy(), nbytes=table.nbytes[rows].copy(),
+                   src=src, dst=dst, started=started, **extra)
 
 
 @dataclass
@@ -215,6 +224,7 @@ class Engine:
         availability: Mapping[str, AvailabilityView] | None = None,
         clock: Callable[[], float] = time.monotonic,
         seed: int | None = None,
+        recorder: RecorderPort | None = None,
     ):
         """``loop`` is the event loop the registry lives on: a finished job
         is applied there (call_soon_threadsafe from the worker)."""
@@ -265,11 +275,13 @@ class Engine:
         self._targets_gen = -1
         self._pending_sources: tuple[list[HotnessSource], dict[str, AvailabilityView]] | None = None
         self._pending_topology: tuple[Any, np.ndarray] | None = None
-        self.recorder = None  # kvtier.record.Recorder when [record] is on
+        self.recorder = recorder  # kvtier.record.Recorder when [record] is on
         self._targets_hinted: frozenset[int] | None = None
         self._targets_slices: dict[int, Slice] = {}
         self._hinted_regions: frozenset[int] = frozenset()
         self._hinted_at = (-1, -1)
+        if recorder is not None:
+            recorder.config(self.tier_states(), self.policy_cfg)  # a recording starts with what is in force
 
     # -- tiers -----------------------------------------------------------
 
@@ -562,11 +574,8 @@ class Engine:
         rows, dst, asked, src = rows[kernel], dst[kernel], asked[kernel], src[kernel]
         if rows.size == 0:
             return None
-        return MoveJob(
-            region=t.region[rows].astype(np.int64), index=t.index[rows].astype(np.int64), pid=t.pid[rows].copy(),
-            addr=t.addr[rows].copy(), nbytes=t.nbytes[rows].copy(), src=src, dst=dst,
-            plan=None, plan_pos=np.full(rows.size, -1, dtype=np.int64), started=now, requested_at=asked,
-        )
+        return MoveJob.of_rows(t, rows, src, dst, now, plan_pos=np.full(rows.size, -1, dtype=np.int64),
+                               requested_at=asked)
 
     # -- the tick --------------------------------------------------------
 
@@ -692,11 +701,8 @@ class Engine:
         rows, dst, pos, src = rows[kernel], dst[kernel], pos[kernel], src[kernel]
         if rows.size == 0:
             return None
-        return MoveJob(
-            region=t.region[rows].astype(np.int64), index=t.index[rows].astype(np.int64), pid=t.pid[rows].copy(),
-            addr=t.addr[rows].copy(), nbytes=t.nbytes[rows].copy(), src=src, dst=dst,
-            plan=plan if len(plan) else None, plan_pos=pos, started=now, engine_pos=engine_pos,
-        )
+        return MoveJob.of_rows(t, rows, src, dst, now, plan=plan if len(plan) else None, plan_pos=pos,
+                               engine_pos=engine_pos)
 
     def _run_move(self, job: MoveJob) -> None:
         """On the mover thread: only the migrator and the job's arrays."""
@@ -848,7 +854,7 @@ class Engine:
 
     def _record_placements(self) -> None:
         if self.recorder is not None:
-            self.recorder.config()
+            self.recorder.config(self.tier_states(), self.policy_cfg)
             self.recorder.placed()
 
     # -- measure -----------------------------------------------------------

@@ -15,7 +15,6 @@ stay where they were. Everything here runs on the event-loop thread.
 
 from __future__ import annotations
 
-
 import logging
 import mmap
 from dataclasses import dataclass

@@ -53,16 +53,17 @@ def block_ids(region: np.ndarray, index: np.ndarray) -> np.ndarray:
 
 
 class Recorder:
-    def __init__(self, directory: str, max_bytes: int, files: int, table: Any, registry: Any,
-                 tiers: Callable[[], list], policy: Callable[[], Any], clock: Callable[[], float] = time.monotonic,
-                 meta: dict | None = None):
+    """Built before the registry and the engine, which receive it: it reads
+    only the block table; the engine tells it the tiers and the policy in
+    force (``config``), and a rotated file repeats the last ones."""
+
+    def __init__(self, directory: str, max_bytes: int, files: int, table: Any,
+                 clock: Callable[[], float] = time.monotonic, meta: dict | None = None,
+                 in_force: tuple[list, Any] | None = None):
         self.dir = directory
         self.max_bytes = max_bytes
         self.files = files
         self.table = table
-        self.registry = registry
-        self.tiers = tiers
-        self.policy = policy
         self.clock = clock
         self.meta = dict(meta or {})  # tick_s, tau_s: what a replay needs besides tiers and policy
         self.t0 = clock()
@@ -71,7 +72,9 @@ class Recorder:
         self.errors_total = 0
         self._known_ids = np.zeros(0, dtype=np.int64)  # sorted ids with a recorded tier
         self._known_tier = np.zeros(0, dtype=np.int8)
-        self._config_line = ""
+        self._config: tuple[str, str] | None = None  # (tiers, settings) last written
+        if in_force is not None:
+            self._config = self._config_text(*in_force)  # the first file starts with them
         os.makedirs(directory, exist_ok=True)
         self._f: io.TextIOWrapper | None = None
         if os.path.exists(self.path) and os.path.getsize(self.path):
@@ -88,8 +91,10 @@ class Recorder:
         return self.clock() - self.t0
 
     def _open(self) -> None:
-        sizes = [r.block_size for r in self.registry.regions.values()]
-        block_bytes = max(set(sizes), key=sizes.count) if sizes else 2 << 20
+        # The most common block size among live blocks (a header the plain
+        # trace reader needs; a replay of mixed sizes reads nbytes per alloc).
+        sizes, counts = np.unique(self.table.nbytes, return_counts=True)
+        block_bytes = int(sizes[np.argmax(counts)]) if sizes.size else 2 << 20
         self._f = open(self.path, "a", buffering=1 << 16)
         if self._f.tell() == 0:
             # started: the wall-clock time of time 0, so files of several daemon runs line up.
@@ -97,8 +102,8 @@ class Recorder:
                           f"started={time.time() - self._now():.6f}\ntime,block,op,count\n")
         if self.meta:
             self._f.write("# meta " + " ".join(f"{k}={v!r}" for k, v in sorted(self.meta.items())) + "\n")
-        self._config_line = ""
-        self.config()
+        if self._config is not None:
+            self._write_config(*self._config)
         # Every live block, so this file replays on its own after a rotation.
         t = self.table
         if len(t):
@@ -149,14 +154,20 @@ class Recorder:
 
     # -- what the daemon reports -----------------------------------------
 
-    def config(self) -> None:
-        """Tiers and policy in force; written when they change."""
-        tiers = " ".join(f"{t.name}:{t.kind}:{int(t.capacity_bytes)}" for t in self.tiers())
-        settings = " ".join(f"{k}={v!r}".replace(" ", "") for k, v in sorted(asdict(self.policy()).items()))
-        key = f"{tiers}|{settings}"
-        if key != self._config_line:
-            self._config_line = key
-            self._write(f"# tiers {self._now():.6f} {tiers}\n# policy {self._now():.6f} {settings}\n")
+    def config(self, tiers: list, policy: Any) -> None:
+        """Tiers (TierState) and policy (PolicyConfig) in force; written when they change."""
+        text = self._config_text(tiers, policy)
+        if text != self._config:
+            self._config = text
+            self._write_config(*text)
+
+    @staticmethod
+    def _config_text(tiers: list, policy: Any) -> tuple[str, str]:
+        return (" ".join(f"{t.name}:{t.kind}:{int(t.capacity_bytes)}" for t in tiers),
+                " ".join(f"{k}={v!r}".replace(" ", "") for k, v in sorted(asdict(policy).items())))
+
+    def _write_config(self, tiers: str, settings: str) -> None:
+        self._write(f"# tiers {self._now():.6f} {tiers}\n# policy {self._now():.6f} {settings}\n")
 
     def region_added(self, region_id: int) -> None:
         s = self.table.slices[region_id]

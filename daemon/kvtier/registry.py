@@ -35,6 +35,7 @@ from kvtier.blocks import (
 )
 from kvtier.hotness import SOURCE_WEIGHTS, Temperature, apply_phase
 from kvtier.errors import InvalidArgument, KvtierError, ProcessGone
+from kvtier.ports import RecorderPort
 from kvtier.stats import DaemonStats
 
 log = logging.getLogger("kvtier.registry")
@@ -133,6 +134,7 @@ class Registry:
         watcher: PidWatcher | None = None,
         on_change: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        recorder: RecorderPort | None = None,
     ):
         self.table = table
         self.limits = limits
@@ -148,7 +150,7 @@ class Registry:
         self.tenants: dict[str, int] = {"": 0}
         self.next_id = 1
         self.generation = 0  # bumped whenever table rows shift (region added/removed)
-        self.recorder = None  # kvtier.record.Recorder when [record] is on
+        self.recorder = recorder  # kvtier.record.Recorder when [record] is on
 
     # -- registration ----------------------------------------------------
 

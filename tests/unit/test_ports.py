@@ -49,3 +49,13 @@ def test_a_missing_member_is_seen():
 
     assert not isinstance(NoPageout(), ports.MigratorPort)
     assert not isinstance(BlockTable(), ports.TopologyView)
+
+
+def test_recorder(tmp_path):
+    from kvtier.record import Recorder
+
+    rec = Recorder(str(tmp_path), 1 << 20, 2, BlockTable())
+    try:
+        assert isinstance(rec, ports.RecorderPort)
+    finally:
+        rec.close()

@@ -40,12 +40,11 @@ def setup(tmp_path):
     clock = Clock()
     table = BlockTable()
     stats = DaemonStats()
-    reg = Registry(table, Limits(), stats, Temperature(10.0), ProcProcesses(), clock=clock)
     tiers = [TierState(0, "dram", "dram", 64 * MIB), TierState(1, "swap", "swap", 1024 * MIB)]
     pcfg = PolicyConfig(capacity={0: 4 * MIB})
-    rec = record.Recorder(str(tmp_path / "rec"), 1 << 20, 3, table, reg, lambda: tiers, lambda: pcfg, clock,
-                          meta={"tick_s": 0.5, "tau_s": 5.0})
-    reg.recorder = rec
+    rec = record.Recorder(str(tmp_path / "rec"), 1 << 20, 3, table, clock, meta={"tick_s": 0.5, "tau_s": 5.0})
+    reg = Registry(table, Limits(), stats, Temperature(10.0), ProcProcesses(), clock=clock, recorder=rec)
+    rec.config(tiers, pcfg)  # as the engine does when it is built
     yield SimpleNamespace(reg=reg, table=table, rec=rec, clock=clock, bufs=bufs, stats=stats,
                           dir=tmp_path / "rec")
     rec.close()
