@@ -125,6 +125,51 @@ def test_probe_refuses_kdamonds_of_someone_else(tmp_path):
     assert list(io.writes) == []  # nothing of theirs touched
 
 
+def leftover_tree(tmp_path, state, ops="vaddr", targets=0, schemes=()):
+    """kdamond 0 as a killed kvtierd (or someone else) left it."""
+    root = damon_tree(tmp_path, nr_kdamonds=1, state=state)
+    put(root, dm.OPERATIONS, ops)
+    put(root, dm.NR_TARGETS, str(targets))
+    put(root, dm.NR_SCHEMES, "1" if schemes else "0")
+    for k, v in schemes:
+        put(root, f"{S}/{k}", str(v))
+    return root
+
+
+KVTIER_SCHEME = [("action", "stat")] + [
+    (f"access_pattern/{n}/{m}", v) for n, hi in (("sz", 2**64 - 1), ("nr_accesses", 2**32 - 1), ("age", 2**32 - 1))
+    for m, v in (("min", 0), ("max", hi))]
+
+
+@pytest.mark.parametrize("state, targets, schemes, writes", [
+    # SIGKILL inside probe(): the bare kdamond it creates for avail_operations
+    ("off", 0, (), [(dm.NR_KDAMONDS, "0")]),
+    # SIGKILL while monitoring: its kdamond goes on while the targets live
+    ("on", 2, KVTIER_SCHEME, [(dm.STATE, "off"), (dm.NR_KDAMONDS, "0")]),
+])
+def test_probe_removes_a_killed_kvtierds_kdamond(tmp_path, caplog, state, targets, schemes, writes):
+    io = SysfsIO(leftover_tree(tmp_path, state, targets=targets, schemes=schemes), dry_run=True)
+    av = dm.DamonSource(io).probe()
+    assert av.ok, av.reason
+    assert list(io.writes)[:len(writes)] == writes
+    assert list(io.writes)[len(writes):] == [(dm.NR_KDAMONDS, "1"), (dm.NR_CONTEXTS, "1"), (dm.NR_KDAMONDS, "0")]
+    assert "damon_leftover_removed" in caplog.text
+
+
+@pytest.mark.parametrize("ops, targets, schemes", [
+    ("paddr", 1, ()),  # someone's paddr monitoring, configured but off (as found on this host)
+    ("vaddr", 1, ()),  # vaddr targets, no scheme yet: someone configuring
+    ("vaddr", 1, [("action", "stat")] + KVTIER_SCHEME[1:-1] + [("access_pattern/age/max", 100)]),
+    ("vaddr", 1, [("action", "migrate_cold")] + KVTIER_SCHEME[1:]),
+])
+def test_probe_leaves_other_users_kdamonds_alone(tmp_path, ops, targets, schemes):
+    for state in ("off", "on"):
+        io = SysfsIO(leftover_tree(tmp_path / state, state, ops, targets, schemes), dry_run=True)
+        av = dm.DamonSource(io).probe()
+        assert not av.ok and "another DAMON user" in av.reason
+        assert list(io.writes) == []
+
+
 def test_probe_without_damon_sysfs(tmp_path):
     av = dm.DamonSource(SysfsIO(str(tmp_path), dry_run=True)).probe()
     assert not av.ok and "CONFIG_DAMON_SYSFS" in av.reason
@@ -256,6 +301,60 @@ def test_split_by_target_when_next_target_continues_upwards(tmp_path):
     split = src.split_by_target(regs)
     assert [r.nr_accesses for r in split[1]] == [1, 2]
     assert [r.nr_accesses for r in split[2]] == [3]
+
+
+def test_scheme_applies_every_sample_where_the_kernel_has_apply_interval(tmp_path):
+    root = damon_tree(tmp_path)
+    put(root, dm.APPLY_INTERVAL, "0")  # 6.7+ (the 6.12 guest, this host's 6.18)
+    io = SysfsIO(root, dry_run=True)
+    src = dm.DamonSource(io, proc_root=proc_tree(tmp_path, [100]))
+    src.set_targets(table_of((1, 100, 0x10000000, MIB, MIB)))
+    assert list(io.writes)[-2:] == [(dm.APPLY_INTERVAL, "5000"), (dm.STATE, "on")]
+    io.clear_log()
+    src.set_slowdown(4)  # the apply interval follows the sample interval
+    assert (dm.APPLY_INTERVAL, "20000") in io.writes and list(io.writes)[-1] == (dm.STATE, "commit")
+
+
+class TimingOutKernel(SysfsIO):
+    """Real writes into a fixture tree (files created as written), where ``update_schemes_tried_regions``
+    fills the dump only from the ``late``-th time on: before that the
+    kernel's wall-clock timeout ran out before the scheme was applied, and
+    the command returned with an empty dump, as on a loaded TCG guest."""
+
+    def __init__(self, root, regions, late):
+        super().__init__(root)
+        self.regions, self.late, self.updates = regions, late, 0
+
+    def _raw_write(self, path, text):
+        os.makedirs(os.path.dirname(path), exist_ok=True)  # the kernel makes nr_* subdirectories
+        with open(path, "w") as f:
+            f.write(text)
+        if path == self.path(dm.STATE) and text == dm.UPDATE_TRIED_REGIONS:
+            self.updates += 1
+            for k, (s, e, n, a) in enumerate(self.regions if self.updates >= self.late else ()):
+                for name, v in (("start", s), ("end", e), ("nr_accesses", n), ("age", a)):
+                    put(self.root, f"{dm.TRIED_REGIONS}/{k}/{name}", str(v))
+
+
+def test_an_empty_dump_is_asked_for_again(tmp_path):
+    base = 0x7F0000000000
+    regions = [(base, base + MIB, 7, 0), (base + MIB, base + 2 * MIB, 0, 9)]
+    io = TimingOutKernel(damon_tree(tmp_path), regions, late=3)
+    src = dm.DamonSource(io, proc_root=proc_tree(tmp_path, [100]))
+    t = table_of((1, 100, base, 2 * MIB, MIB))
+    src.set_targets(t)
+    obs = src.collect(1.0)
+    assert io.updates == 3 and src.empty_dumps == 2
+    assert dict(zip(obs.rows.tolist(), obs.counts.tolist())) == {0: 7.0}
+    assert len(src.last_regions[100]) == 2
+
+
+def test_a_kernel_that_never_dumps_costs_bounded_tries(tmp_path):
+    io = TimingOutKernel(damon_tree(tmp_path), [], late=1)
+    src = dm.DamonSource(io, proc_root=proc_tree(tmp_path, [100]))
+    src.set_targets(table_of((1, 100, 0x10000000, MIB, MIB)))
+    obs = src.collect(1.0)
+    assert len(obs) == 0 and io.updates == dm.DUMP_ATTEMPTS
 
 
 def test_collect_before_targets_is_empty_and_writes_nothing(tmp_path):

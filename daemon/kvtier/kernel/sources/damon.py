@@ -18,15 +18,36 @@ Kernel behaviour this relies on (Documentation/admin-guide/mm/damon/usage.rst):
   set very long by default; each ``set_targets`` commit re-applies the
   registered ranges anyway, and regions outside blocks are ignored.
 - Writing ``update_schemes_tried_regions`` to ``state`` returns once the
-  kdamond has refreshed the dump, i.e. after up to about one aggregation
-  interval (plus the sysfs command poll of 100 ms on 6.12): that is the
-  latency of ``collect``.
+  kdamond has refreshed the dump (plus the sysfs command poll of 100 ms on
+  6.12): that is the latency of ``collect``. The dump is filled while the
+  scheme is applied, and the kernel gives up on it after twice the scheme's
+  apply interval of *wall-clock* time (``damos_tried_regions_init_upd_status``
+  in mm/damon/sysfs-schemes.c sets ``upd_timeout_jiffies``); the apply
+  itself waits for its turn counted in *samples*. A kdamond slower than
+  real time (a loaded host, a TCG guest: each sample takes longer than
+  sample_us) therefore gets an empty dump that still "succeeds". Two
+  defences: where the kernel has ``apply_interval_us`` (6.7+) the scheme
+  applies after every sample, so the apply follows the command's start in
+  the same kdamond iteration and only an aggregation boundary between them
+  checks the timeout; a stat scheme costs one pass over the regions per
+  sample, and the dumped ``nr_accesses`` is the kernel's moving sum over
+  the last aggregation interval (``nr_accesses_bp``), valid at any sample.
+  And an empty dump while targets exist (the scheme matches every region,
+  so a real dump is never empty) is asked for again, up to DUMP_ATTEMPTS.
 - ``nr_targets`` (like every nr_* file) recreates all its subdirectories, so
   a retarget rewrites every target, then ``commit`` applies the new inputs to
   the running kdamond without restarting it (region history is kept where
   the ranges did not change).
 - sysfs can only resize ``nr_kdamonds`` while no kdamond runs: a kdamond
   someone else started makes this source unavailable rather than stopping it.
+  Except kvtier's own leftovers: a kvtierd killed by SIGKILL (the OOM killer,
+  ``systemctl kill -s KILL``, a test harness) runs no ``finally``, so it can
+  leave the probe's bare kdamond (nr_kdamonds 1, a context with default
+  vaddr ops, no target, no scheme, off) or its monitoring kdamond still on
+  (vaddr, one ``stat`` scheme with kvtier's full-range bounds; a vaddr
+  kdamond only stops by itself once all its target processes exit). Either
+  would make every later start refuse DAMON, so the probe recognises those
+  two shapes, removes them and says so (``damon_leftover_removed``).
 """
 
 from __future__ import annotations
@@ -37,6 +58,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvtier import logs
 from kvtier.blocks import BlockTable
 from kvtier.errors import ConfigError, KvtierError, KvtierOSError
 from kvtier.hotness import SOURCE_WEIGHTS
@@ -65,6 +87,7 @@ SCHEMES = f"{CTX}/schemes"
 NR_SCHEMES = f"{SCHEMES}/nr_schemes"
 SCHEME = f"{SCHEMES}/0"
 TRIED_REGIONS = f"{SCHEME}/tried_regions"
+APPLY_INTERVAL = f"{SCHEME}/apply_interval_us"  # 6.7+
 
 OPS_VADDR = "vaddr"
 ACTION_STAT = "stat"  # count only; never changes memory
@@ -79,6 +102,10 @@ UPDATE_TRIED_REGIONS = "update_schemes_tried_regions"
 # nr_accesses and age are unsigned int inside the kernel.
 ULONG_MAX = (1 << 64) - 1
 UINT_MAX = (1 << 32) - 1
+
+# Tries of update_schemes_tried_regions per collect while the dump comes
+# back empty (timed out in the kernel, see the module docstring).
+DUMP_ATTEMPTS = 4
 
 # vaddr re-derives target regions from the whole address space every
 # update_us (see the module docstring); 2^40 us is about 12.7 days.
@@ -143,6 +170,7 @@ class DamonSource(Source):
         self.slowdown = 1  # sample and aggregation intervals x this (engine's cost control)
         self._kernel_done = 0.0  # CPU seconds of kdamonds that have stopped
         self._kdamond: tuple[int, float] | None = None  # (pid, CPU seconds last read)
+        self.empty_dumps = 0  # tried-regions dumps the kernel timed out on (asked again)
 
     # -- probe ----------------------------------------------------------------
 
@@ -153,6 +181,13 @@ class DamonSource(Source):
             return Availability(False, f"DAMON sysfs interface absent: {admin} missing (CONFIG_DAMON_SYSFS)")
         try:
             nr = io.read_int(NR_KDAMONDS)
+            leftover = self._own_leftover() if nr == 1 else None
+            if leftover is not None:
+                if io.read(STATE) != OFF:
+                    io.write(STATE, OFF)
+                io.write(NR_KDAMONDS, 0)
+                logs.event(log, "damon_leftover_removed", logging.WARNING, kdamond=io.path(KDAMOND), shape=leftover)
+                nr = 0
             if nr != 0:
                 states = [io.read(f"{KDAMONDS}/{k}/state") for k in io.listdir_numeric(KDAMONDS)]
                 return Availability(
@@ -176,6 +211,27 @@ class DamonSource(Source):
                 "CONFIG_DAMON_VADDR)",
             )
         return Availability(True, f"DAMON {OPS_VADDR} through {admin}")
+
+    def _own_leftover(self) -> str | None:
+        """Which of kvtier's shapes kdamond 0 has (the module docstring), or None."""
+        io = self.io
+        try:
+            if io.read_int(NR_CONTEXTS) == 0:
+                return "probe" if io.read(STATE) == OFF else None
+            if io.read_int(NR_CONTEXTS) != 1 or io.read(OPERATIONS) != OPS_VADDR:
+                return None
+            nr_targets, nr_schemes = io.read_int(NR_TARGETS), io.read_int(NR_SCHEMES)
+            if nr_targets == 0 and nr_schemes == 0:
+                return "probe" if io.read(STATE) == OFF else None
+            if nr_schemes != 1 or io.read(f"{SCHEME}/action") != ACTION_STAT:
+                return None
+            ap = f"{SCHEME}/access_pattern"
+            for name, hi in (("sz", ULONG_MAX), ("nr_accesses", UINT_MAX), ("age", UINT_MAX)):
+                if io.read_int(f"{ap}/{name}/min") != 0 or io.read_int(f"{ap}/{name}/max") != hi:
+                    return None
+            return "monitor"
+        except (KvtierError, ValueError):
+            return None  # not laid out as ours: someone else's
 
     # -- configuration ----------------------------------------------------------
 
@@ -230,6 +286,7 @@ class DamonSource(Source):
         self.slowdown = factor
         if self.running:
             self._write_intervals()
+            self._write_apply_interval()
             self.io.write(STATE, COMMIT)
 
     def events(self) -> dict[str, int]:
@@ -280,6 +337,12 @@ class DamonSource(Source):
         for name, hi in (("sz", ULONG_MAX), ("nr_accesses", UINT_MAX), ("age", UINT_MAX)):
             io.write(f"{ap}/{name}/min", 0)
             io.write(f"{ap}/{name}/max", hi)
+        self._write_apply_interval()
+
+    def _write_apply_interval(self) -> None:
+        # Apply (and so dump) after every sample: see the module docstring.
+        if self.io.exists(APPLY_INTERVAL):
+            self.io.write(APPLY_INTERVAL, self.params.sample_us * self.slowdown)
 
     # -- collect ------------------------------------------------------------------
 
@@ -330,19 +393,24 @@ class DamonSource(Source):
     def collect(self, now: float) -> Observation:
         if not self.running or self.index is None:
             return self.empty()
-        try:
-            self.io.write(STATE, UPDATE_TRIED_REGIONS)
-        except KvtierOSError:
-            # A kdamond stops by itself once every target process has exited;
-            # then the command fails. Forget the setup so the next
-            # set_targets starts a fresh one.
-            if self.io.dry_run or self.io.read(STATE) != OFF:
-                raise
-            log.info("kdamond stopped (all target processes exited)")
-            self.running = False
-            self.targets = []
-            return self.empty()
-        per_pid = self.split_by_target(self.read_tried_regions())
+        for attempt in range(DUMP_ATTEMPTS):
+            try:
+                self.io.write(STATE, UPDATE_TRIED_REGIONS)
+            except KvtierOSError:
+                # A kdamond stops by itself once every target process has
+                # exited; then the command fails. Forget the setup so the
+                # next set_targets starts a fresh one.
+                if self.io.dry_run or self.io.read(STATE) != OFF:
+                    raise
+                log.info("kdamond stopped (all target processes exited)")
+                self.running = False
+                self.targets = []
+                return self.empty()
+            regions = self.read_tried_regions()
+            if regions:
+                break
+            self.empty_dumps += 1  # the kernel's wall-clock timeout beat the apply: ask again
+        per_pid = self.split_by_target(regions)
         self.last_regions = per_pid
         rows_l, counts_l = [], []
         for pid, regs in per_pid.items():
