@@ -9,9 +9,6 @@ under TCG, so only 2 MiB go there; bulk work uses node 1.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -20,7 +17,7 @@ import pytest
 
 from kvtier.client import Client, KvtierClientError
 from kvtier.kernel import native
-from vmhelpers import CXL_NODE, DRAM_NODE, FAR_NODE, MiB, scaled
+from vmhelpers import CXL_NODE, DRAM_NODE, FAR_NODE, GuestKvtierd, MiB, scaled
 
 pytestmark = pytest.mark.vm
 
@@ -34,31 +31,9 @@ def nodes_of(region) -> np.ndarray:
 
 @pytest.fixture
 def kvtierd(tmp_path: Path):
-    sock = tmp_path / "kvtierd.sock"
-    conf = tmp_path / "kvtierd.toml"
-    conf.write_text(textwrap.dedent(f"""\
-        [daemon]
-        socket = "{sock}"
-        state_file = ""
-        tick_interval = 0.5
-        [metrics]
-        enabled = false
-        """))
-    log = tmp_path / "kvtierd.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", "-c", str(conf)], stdout=f, stderr=f)
-    end = time.monotonic() + scaled(60)
-    while not sock.exists():
-        assert proc.poll() is None and time.monotonic() < end, log.read_text()[-3000:]
-        time.sleep(0.1)
-    client = Client(str(sock), timeout=scaled(30))
-    try:
-        yield client
-    finally:
-        client.close()
-        proc.terminate()
-        proc.wait(timeout=scaled(60))
-        assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+    with GuestKvtierd(tmp_path, "[metrics]\nenabled = false\n", daemon={"tick_interval": 0.5},
+                      name="test_engines_vm", client_timeout=30) as d:
+        yield d.client
 
 
 def tier_named(client: Client, kind: str) -> dict:

@@ -24,8 +24,6 @@ quotes them), not asserted.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -33,10 +31,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier.client import Client
 from kvtier.kernel.migrator import Migrator
 import vmhelpers
-from vmhelpers import CXL_NODE, NODE_DIR, KVChild, block_ranges, parse_list, read, scaled
+from vmhelpers import CXL_NODE, NODE_DIR, GuestKvtierd, KVChild, block_ranges, parse_list, read
 
 
 pytestmark = pytest.mark.vm
@@ -94,49 +91,20 @@ def cxl_removed():
         cxl_back()
 
 
-class Daemon:
+class Daemon(GuestKvtierd):
     def __init__(self, tmp: Path):
-        self.sock = tmp / "kvtierd.sock"
-        conf = tmp / "kvtierd.toml"
         # DRAM capped at 2 MiB: the policy must push the pool down a tier.
-        conf.write_text(textwrap.dedent(f"""\
-            [daemon]
-            socket = "{self.sock}"
-            state_file = ""
-            tick_interval = 0.2
-            residency_interval = 2.0
+        super().__init__(tmp, textwrap.dedent(f"""\
             [policy]
             capacity = {{ 0 = {2 * MiB} }}
             [hotness.perf_fault]
             enabled = false
-            """))
-        self.log = tmp / "kvtierd.log"
-        with open(self.log, "wb") as f:
-            self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", "-c", str(conf)],
-                                         stdout=f, stderr=f)
-        wait_for(lambda: self.sock.exists() or self.proc.poll() is not None, "kvtierd's socket")
-        assert self.proc.poll() is None, self.log.read_text()[-3000:]
-        wait_for(lambda: "uevent_listening" in self.log.read_text(), "the uevent socket")
-        self.client = Client(str(self.sock), name="test_hotplug_vm", timeout=scaled(60))
-
-    def tiers(self) -> list[dict]:
-        return self.client.request("tiers")["tiers"]
-
-    def stats(self) -> dict:
-        return self.client.request("stats")
+            """), daemon={"tick_interval": 0.2, "residency_interval": 2.0}, name="test_hotplug_vm",
+            wait_log="uevent_listening")
 
     def block_tiers(self, region: int) -> np.ndarray:
         r = self.client.request("blocks", region=region)
         return np.frombuffer(r["tiers"], dtype=np.int8)
-
-    def stop(self) -> None:
-        self.client.close()
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=scaled(60))
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 def kernel_tiers(d: Daemon, child: KVChild) -> np.ndarray:

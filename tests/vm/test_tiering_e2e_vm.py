@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -40,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vmhelpers import DRAM_NODE, FAR_NODE, KVChild, block_ranges, scaled, scaled_count
+from vmhelpers import DRAM_NODE, FAR_NODE, GuestKvtierd, KVChild, block_ranges, scaled, scaled_count
 
 from kvtier.kernel import topology
 from kvtier.client import Client
@@ -72,55 +70,27 @@ MIN_SWAPPED = POOL - DRAM_TARGET - FAR_TARGET
 SHARE = Path("/mnt/kvtier")  # scripts/vm/run.py's share, as tests/conftest.py names it
 
 
-class Daemon:
-    """kvtierd with a private socket and config: dram (node 0), far (node 1),
-    and with hints swap."""
+class Daemon(GuestKvtierd):
+    """kvtierd with dram (node 0), far (node 1), and with hints swap."""
 
     def __init__(self, tmp: Path, hints: bool):
         mem = [t for t in topology.discover().tiers if t.kind not in (topology.KIND_SWAP, topology.KIND_CXL)]
         assert [list(t.nodes) for t in mem] == [[DRAM_NODE], [FAR_NODE]], mem
         tiers = ", ".join(f'{{ name = "{t.name}", nodes = {list(t.nodes)}, kind = "{t.kind}" }}' for t in mem)
-        self.sock = tmp / "kvtierd.sock"
-        conf = tmp / "kvtierd.toml"
         # Without hints DAMON vaddr is the only source: perf major-fault
         # samples (on by default) would otherwise also report swap-ins.
         others = "" if hints else "[hotness.perf_fault]\nenabled = false\n[hotness.perf]\nenabled = false\n"
         caps = f'"0" = {DRAM_TARGET}, "1" = {FAR_TARGET}'
-        conf.write_text(textwrap.dedent(f"""\
-            [daemon]
-            socket = "{self.sock}"
-            state_file = ""
-            tick_interval = {TICK_S}
+        # The client is only for stats: the workload thread hints through its
+        # own. A reply can wait for a tick that measures the whole pool: seen
+        # over the client's default 10 s on a busy host.
+        super().__init__(tmp, textwrap.dedent(f"""\
             [policy]
             capacity = {{ {caps} }}
             [topology]
             tiers = [{tiers}]
             swap = true
-            """) + others)
-        self.log = tmp / "kvtierd.log"
-        with open(self.log, "wb") as f:
-            self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", "-c", str(conf)],
-                                         stdout=f, stderr=f)
-        end = time.monotonic() + scaled(60)
-        while not self.sock.exists():
-            assert self.proc.poll() is None and time.monotonic() < end, self.log.read_text()[-3000:]
-            time.sleep(0.1)
-        # Only for stats: the workload thread hints through its own client.
-        # A reply can wait for a tick that measures the whole pool: seen
-        # over the client's default 10 s on a busy host.
-        self.client = Client(str(self.sock), name="test_tiering_e2e", timeout=scaled(60))
-
-    def ticks(self) -> int:
-        return int(self.client.request("stats")["ticks_total"])
-
-    def stop(self) -> None:
-        self.client.close()
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=scaled(60))
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            """) + others, daemon={"tick_interval": TICK_S}, name="test_tiering_e2e")
 
 
 class Workload:

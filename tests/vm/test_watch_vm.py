@@ -24,10 +24,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtier.client import Client
 from kvtier.kernel import topology
 from kvtier.kernel.migrator import Migrator
-from vmhelpers import DRAM_NODE, FAR_NODE, scaled, scaled_count
+from vmhelpers import DRAM_NODE, FAR_NODE, GuestKvtierd, scaled, scaled_count
 
 pytestmark = pytest.mark.vm
 
@@ -64,14 +63,7 @@ def test_unmodified_program_is_adopted_and_tiered_by_damon(tmp_path):
     tag = f"kvtier-watch-vm-{uuid.uuid4().hex[:8]}"
     mem = [t for t in topology.discover().tiers if t.kind not in (topology.KIND_SWAP, topology.KIND_CXL)]
     tiers = ", ".join(f'{{ name = "{t.name}", nodes = {list(t.nodes)}, kind = "{t.kind}" }}' for t in mem)
-    sock = tmp_path / "kvtierd.sock"
-    conf = tmp_path / "kvtierd.toml"
-    conf.write_text(textwrap.dedent(f"""\
-        [daemon]
-        socket = "{sock}"
-        state_file = ""
-        tick_interval = {TICK_S}
-        watch_interval = 0.5
+    config = textwrap.dedent(f"""\
         [policy]
         capacity = {{ 0 = {DRAM_TARGET} }}
         [topology]
@@ -84,19 +76,15 @@ def test_unmodified_program_is_adopted_and_tiered_by_damon(tmp_path):
         min_mapping = {128 * MiB}
         block_size = {BLOCK}
         tenant = "zero-int"
-        """))
-    log = tmp_path / "kvtierd.log"
-    with open(log, "wb") as f:
-        d = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", "-c", str(conf)], stdout=f, stderr=f)
-    prog = subprocess.Popen([sys.executable, "-c", PROGRAM, tag], stdout=subprocess.PIPE, text=True)
+        """)
+    d = GuestKvtierd(tmp_path, config, daemon={"tick_interval": TICK_S, "watch_interval": 0.5}, name="test_watch_vm")
     report = {}
+    log = d.log
+    prog = None
     try:
+        prog = subprocess.Popen([sys.executable, "-c", PROGRAM, tag], stdout=subprocess.PIPE, text=True)
         data = int(prog.stdout.readline())  # where the pool's bytes start
-        end = time.monotonic() + scaled(60)
-        while not sock.exists():
-            assert d.poll() is None and time.monotonic() < end, log.read_text()[-3000:]
-            time.sleep(0.1)
-        c = Client(str(sock), name="test_watch_vm", timeout=scaled(60))
+        c = d.client
 
         def mine():
             return [r for r in c.request("regions")["regions"] if r["pid"] == prog.pid]
@@ -135,14 +123,11 @@ def test_unmodified_program_is_adopted_and_tiered_by_damon(tmp_path):
         while mine():
             assert time.monotonic() - t0 < scaled(30), "the exited program's regions stayed"
             time.sleep(0.1)
-        c.close()
     finally:
-        if prog.poll() is None:
+        if prog is not None and prog.poll() is None:
             prog.kill()
             prog.wait()
-        d.terminate()
-        d.wait(timeout=scaled(60))
-    assert "Traceback" not in log.read_text()
+        d.stop()
     if SHARE.is_dir():
         with open(SHARE / "watch_vm.json", "w") as f:
             f.write(json.dumps(report) + "\n")

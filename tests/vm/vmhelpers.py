@@ -12,12 +12,16 @@ measured slowness (scripts/vm/speed.py; tests/vm/conftest.py re-measures it
 before each test), and ``wait_for`` measures again before it gives up, so
 load that starts mid-test stretches the deadline too. Count-based limits
 that stand in for time (daemon ticks) use ``scaled_count``.
+
+A real kvtierd for a test: ``GuestKvtierd`` (private socket and config,
+started, waited for, stopped, its log checked for tracebacks).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -133,3 +137,79 @@ def wait_for(pred, what: str, *, timeout: float, interval: float):
                                      f"({timeout:.0f}s nominal x slowness {factor:.2f})")
             factor = now
         time.sleep(interval)
+
+
+def _toml(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(v)
+
+
+class GuestKvtierd:
+    """A real kvtierd (``python -m kvtier.daemon``) in ``tmp``, with a
+    private socket, no state file, and its log in ``tmp/kvtierd.log``.
+
+    ``daemon`` adds [daemon] keys; ``config`` is the rest of the TOML (other
+    sections, verbatim). Starting waits for the socket (60 quiet-host
+    seconds), and for ``wait_log`` in the log when given; ``client`` is a
+    Client for the test's own requests. ``stop()`` (also on leaving a
+    ``with``) terminates it and, with ``check=True``, fails if its log holds
+    a traceback."""
+
+    def __init__(self, tmp: Path, config: str = "", *, daemon: dict | None = None, name: str = "vm test",
+                 wait_log: str | None = None, client_timeout: float = 60):
+        from kvtier.client import Client
+
+        self.sock = tmp / "kvtierd.sock"
+        self.log = tmp / "kvtierd.log"
+        keys = {"socket": str(self.sock), "state_file": "", **(daemon or {})}
+        conf = tmp / "kvtierd.toml"
+        conf.write_text("[daemon]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in keys.items()) + config)
+        with open(self.log, "wb") as f:
+            self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", "-c", str(conf)],
+                                         stdout=f, stderr=f)
+        self.client = None
+        try:
+            wait_for(lambda: self.sock.exists() or self.proc.poll() is not None, "kvtierd's socket",
+                     timeout=60, interval=0.1)
+            assert self.proc.poll() is None, f"kvtierd exited {self.proc.returncode}:\n{self.log_tail()}"
+            if wait_log:
+                wait_for(lambda: wait_log in self.log.read_text(), repr(wait_log), timeout=60, interval=0.1)
+            self.client = Client(str(self.sock), name=name, timeout=scaled(client_timeout))
+        except BaseException:
+            self.stop(check=False)
+            raise
+
+    def log_tail(self, n: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-n:]
+
+    def stats(self) -> dict:
+        return self.client.request("stats")
+
+    def ticks(self) -> int:
+        return int(self.stats()["ticks_total"])
+
+    def tiers(self) -> list[dict]:
+        return self.client.request("tiers")["tiers"]
+
+    def stop(self, check: bool = True) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=scaled(60))
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if check:
+            assert "Traceback" not in self.log.read_text(errors="replace"), self.log_tail()
+
+    def __enter__(self) -> GuestKvtierd:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop(check=exc[0] is None)
