@@ -70,6 +70,11 @@ def page_addrs(addr: int, size: int) -> np.ndarray:
     return np.uint64(addr) + np.arange(size // PAGE, dtype=np.uint64) * np.uint64(PAGE)
 
 
+def node_of_pages(child, addrs: np.ndarray):
+    """A function giving the node (or -errno) of every page, per 2 MiB block."""
+    return lambda: native.move_pages(child.pid, addrs, None).reshape(-1, BLOCK // PAGE)
+
+
 def test_migrator_walks_a_region_through_every_tier(child_factory):
     """16 MiB in 8 blocks: all to node 1, 1 block on to CXL, 2 others out to
     swap, those back in to node 0, then everything home. After each step the
@@ -79,11 +84,8 @@ def test_migrator_walks_a_region_through_every_tier(child_factory):
     before = child.checksum()
     mig = Migrator()
     starts, lengths = block_ranges(child, BLOCK)
-    addrs = page_addrs(child.addr, child.size)
-    per_block = BLOCK // PAGE
-
-    def where() -> np.ndarray:
-        return native.move_pages(child.pid, addrs, None).reshape(-1, per_block)
+    addrs, per_block = page_addrs(child.addr, child.size), BLOCK // PAGE
+    where = node_of_pages(child, addrs)
 
     assert (where() == DRAM_NODE).all()
 
@@ -146,11 +148,8 @@ def test_shared_memory_walks_node0_node1_swap_and_home(child_factory, kind):
     before = child.checksum()
     mig = Migrator()
     starts, lengths = block_ranges(child, BLOCK)
-    addrs = page_addrs(child.addr, child.size)
-    per_block = BLOCK // PAGE
-
-    def where() -> np.ndarray:
-        return native.move_pages(child.pid, addrs, None).reshape(-1, per_block)
+    addrs, per_block = page_addrs(child.addr, child.size), BLOCK // PAGE
+    where = node_of_pages(child, addrs)
 
     r = mig.move(child.pid, starts, lengths, FAR_NODE)
     assert r.done == r.pages and r.block_ok.all() and r.errors == {}, r.to_dict()
