@@ -12,6 +12,9 @@ line, answering one line each:
     write OFF LEN BYTE  fill [OFF, OFF+LEN) with BYTE
     mlock OFF LEN       mlock(2) [OFF, OFF+LEN) (munlock OFF LEN undoes it)
     share OFF LEN       fork a process that maps [OFF, OFF+LEN) too, until exit
+    munmap OFF LEN      munmap(2) [OFF, OFF+LEN): the memory is freed under kvtier
+    read OFF LEN        start reading [OFF, OFF+LEN) in a loop, a byte per page (a decoder)
+    stop                stop that reader; answers "ok N" with the passes made
     exit                quit
 """
 
@@ -23,6 +26,7 @@ import mmap
 import os
 import subprocess
 import sys
+import threading
 
 import numpy as np
 
@@ -97,11 +101,42 @@ def main() -> None:
             sharers.append(w)
             buf.madvise(MADV_DOFORK, 0, size)
             print("ok", flush=True)
+        elif cmd[0] == "munmap":
+            off, ln = int(cmd[1]), int(cmd[2])
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+            rc = libc.munmap(addr + off, ln)
+            print("ok" if rc == 0 else f"error {os.strerror(ctypes.get_errno())}", flush=True)
+        elif cmd[0] == "read":
+            off, ln = int(cmd[1]), int(cmd[2])
+            reader = _Reader(arr[off : off + ln : page])
+            reader.start()
+            print("ok", flush=True)
+        elif cmd[0] == "stop":
+            reader.stop.set()
+            reader.join()
+            print(f"ok {reader.passes}", flush=True)
         elif cmd[0] == "exit":
             print("bye", flush=True)
             return
         else:
             print(f"error unknown command {cmd[0]}", flush=True)
+
+
+class _Reader(threading.Thread):
+    """Reads one byte of every page of a range, over and over (a decode loop
+    over its KV blocks): a page paged out comes straight back."""
+
+    def __init__(self, pages: np.ndarray):
+        super().__init__(daemon=True)
+        self.pages = pages
+        self.stop = threading.Event()
+        self.passes = 0
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            int(self.pages.sum())
+            self.passes += 1
 
 
 class KVChild:

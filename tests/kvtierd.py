@@ -1,13 +1,19 @@
-"""A real kvtierd for unprivileged tests: dry run, private socket, no state
-file; started as a subprocess and stopped with SIGTERM."""
+"""A real kvtierd as a subprocess, stopped with SIGTERM: ``Kvtierd`` for
+unprivileged tests (dry run, private socket, no state file), ``acting`` for
+root host tests (it moves pages; config given, metrics on loopback)."""
 
 from __future__ import annotations
 
+import contextlib
+import re
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+from argparse import Namespace
 from pathlib import Path
+from typing import Iterator
 
 from waiting import wait_for
 
@@ -54,3 +60,43 @@ class Kvtierd:
     def stop(self) -> int:
         self.proc.terminate()
         return self.proc.wait(TIMEOUT)
+
+
+@contextlib.contextmanager
+def acting(tmp_path: Path, config: str, deadline: float = 60.0, *args: str) -> Iterator[Namespace]:
+    """kvtierd with ``config`` (the [daemon] socket and state_file and the
+    [metrics] exporter on a free loopback port are added) and command line
+    ``args``, until the block ends. Yields socket, url (of /metrics), log,
+    conf and proc."""
+    sock = tmp_path / "kvtierd.sock"
+    conf = tmp_path / "kvtierd.toml"
+    conf.write_text(textwrap.dedent(f"""\
+        [daemon]
+        socket = "{sock}"
+        state_file = ""
+        """) + textwrap.dedent(config) + textwrap.dedent("""\
+        [metrics]
+        address = "127.0.0.1"
+        port = 0
+        """))
+    log = tmp_path / "kvtierd.log"
+    with open(log, "wb") as logf:
+        proc = subprocess.Popen([PY, "-m", "kvtier.daemon", "-c", str(conf), *args], stdout=logf, stderr=logf)
+
+    def url():
+        if proc.poll() is not None:
+            raise AssertionError(f"kvtierd exited {proc.returncode}: {log.read_text()}")
+        m = re.search(r"metrics on (http://\S+/metrics)", log.read_text())
+        return m and m.group(1)
+
+    try:
+        metrics_url = wait_for(url, "kvtierd to start its metrics exporter", timeout=deadline, interval=0.1)
+        wait_for(lambda: sock.exists(), "the control socket", timeout=deadline, interval=0.1)
+        yield Namespace(socket=str(sock), url=metrics_url, log=log, conf=conf, proc=proc)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=deadline)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 from kvtier import __version__
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
+EXIT_PARTIAL = 4  # the request was carried out in part (the output says what not)
 EXIT_CONFIG = 78
 EXIT_INTERRUPTED = 130
 EXIT_PIPE = 141

@@ -1,7 +1,7 @@
 """kvtierctl: the operator's view of kvtierd.
 
     kvtierctl status | stats | tiers | regions [--pid P] | blocks REGION [--first N] [--count N]
-    kvtierctl migrate REGION TIER [--blocks 0-15,40] [--pin]
+    kvtierctl migrate REGION TIER [--blocks 0-15,40] [--pin] [--wait]
     kvtierctl measure REGION [--blocks 0-15,40]
     kvtierctl pin REGION [--tier T] [--blocks ...] | unpin REGION [--blocks ...]
     kvtierctl explain REGION BLOCK
@@ -14,8 +14,9 @@ Every command takes ``--json`` and then prints exactly the daemon's answer
 errors then are JSON on stdout too. ``regions`` and ``blocks`` follow the
 daemon's pages: as a table each page is printed as it arrives; with --json
 the pages are merged into one answer of the whole range. Exit status
-(kvtier.cli): 0 ok, 1 the daemon refused, 2 usage, 3 daemon not reachable;
-141 when stdout closed early.
+(kvtier.cli): 0 ok, 1 the daemon refused, 2 usage, 3 daemon not reachable,
+4 done in part (migrate: blocks that did not move or are not mapped); 141
+when stdout closed early.
 """
 
 from __future__ import annotations
@@ -198,10 +199,42 @@ def cmd_blocks(c: Client, a) -> Paged:
                  "flags: U unmovable, D keep_dram, S never_swap, P prefill done, M pinned, - not touched")
 
 
+def _block_ranges(ranges: list) -> str:
+    return ",".join(str(f) if f == l else f"{f}-{l}" for f, l in ranges)
+
+
+def migrate_report(r: dict, region: int, tier: str) -> str:
+    """What a `migrate wait` answer says, in lines an operator reads."""
+    lines = [f"region {region} to tier {tier}: {r['moved']} of {r['blocks'] + r['unmapped']} block(s) moved, "
+             f"{r['pages_moved']} page(s), in {r['seconds']:.2f} s"
+             + (f" after {r['attempts']} attempts ({r['retried']} block retries)" if r["attempts"] > 1 else "")
+             + (" (dry run: nothing moved)" if r.get("dry_run") else "")]
+    for key, what in (("already", "already there"), ("engine", "handed to the engine that owns them"),
+                      ("planned", "planned (dry run)"), ("untouched", "never written (nothing to move)"),
+                      ("gone", "unregistered meanwhile")):
+        if r.get(key):
+            lines.append(f"  {r[key]} block(s) {what}")
+    if r["failed"]:
+        lines.append(f"  {r['failed']} block(s) failed")
+    for reason, pages in sorted(r["failed_pages"].items()):
+        if reason != "UNMAPPED":
+            lines.append(f"    {pages} page(s) {reason}")
+    if r["unmapped"]:
+        lines.append(f"  {r['unmapped']} block(s) not mapped (freed by their process): "
+                     + (_block_ranges(r["unmapped_blocks"]) or "found during the move"))
+    return "\n".join(lines)
+
+
 def cmd_migrate(c: Client, a) -> tuple[Any, str]:
     tier = resolve_tier(c, a.tier)
-    r = c.request("migrate", region=a.region, tier=tier, blocks=parse_blocks(a.blocks))
-    text = f"queued {r['queued']} block(s) of region {a.region} for tier {a.tier}"
+    r = c.request("migrate", region=a.region, tier=tier, blocks=parse_blocks(a.blocks), wait=a.wait)
+    if a.wait:
+        text = migrate_report(r, a.region, a.tier)
+    else:
+        text = f"queued {r['queued']} block(s) of region {a.region} for tier {a.tier}"
+        if r.get("unmapped"):
+            text += (f"; {r['unmapped']} block(s) not mapped (freed by their process), not queued: "
+                     + _block_ranges(r["unmapped_blocks"]))
     if a.pin:
         r["pinned"] = c.request("pin", region=a.region, tier=tier, blocks=parse_blocks(a.blocks))["blocks"]
         text += f"; pinned {r['pinned']}"
@@ -274,7 +307,8 @@ def _common(suppress: bool, parser_class: type[argparse.ArgumentParser]) -> argp
 
 def build_parser(parser_class: type[argparse.ArgumentParser] = cli.Parser) -> argparse.ArgumentParser:
     ap = parser_class(prog="kvtierctl", description="Inspect and steer kvtierd.",
-                      epilog="exit status: 0 ok, 1 the daemon refused, 2 usage, 3 daemon not reachable",
+                      epilog="exit status: 0 ok, 1 the daemon refused, 2 usage, 3 daemon not reachable, "
+                             "4 done in part (migrate: some blocks did not move or are not mapped)",
                       parents=[_common(False, parser_class)])
     cli.add_version(ap)
     common = _common(True, parser_class)
@@ -293,6 +327,9 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = cli.Parser) -> ar
     p.add_argument("tier", help="tier index or name")
     p.add_argument("--blocks", help="e.g. 0-15,40 (default: all)")
     p.add_argument("--pin", action="store_true", help="also pin them there so the policy leaves them")
+    p.add_argument("--wait", action="store_true",
+                   help="wait until the move is done (within --timeout) and print what moved and what did not, "
+                        "per reason; exit 4 if some blocks did not move")
     p = sub.add_parser("measure", parents=[common],
                        help="re-measure where blocks' pages are, every page, now (outside the residency budget)")
     p.add_argument("region", type=int)
@@ -377,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
             print(text, flush=True)
     except BrokenPipeError:
         return cli.stdout_closed()
+    if a.cmd == "migrate" and (data.get("failed") or data.get("unmapped")):
+        return cli.EXIT_PARTIAL
     return 0
 
 

@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import logging
 import math
 import mmap
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -47,7 +48,7 @@ from kvtier import policy as pol
 from kvtier.blocks import (FIELDS, F_ENGINE, F_KEEP_DRAM, F_NEVER_SWAP, F_NOT_PRESENT, F_STALE, F_UNMOVABLE,
                            TIER_UNKNOWN, BlockTable, Slice)
 from kvtier.engine_moves import EngineMoves
-from kvtier.errors import InvalidArgument, KvtierError
+from kvtier.errors import InvalidArgument, KvtierError, RangeNotMapped
 from kvtier.hotness import Temperature
 from kvtier.ports import (AvailabilityView, HotnessSource, MigratorPort, ObservationView, RecorderPort,
                           TopologyView)
@@ -76,6 +77,64 @@ STALE_SCAN_CHUNK = 1 << 16
 # A source over its CPU budget is collected (and sampled) 2, 4, ... up to
 # this many times more slowly.
 MAX_SLOWDOWN = 64
+# Operator moves (kvtierctl migrate) whose pages the kernel skipped for a
+# passing reason are tried again with the next ticks, this many times in all:
+# MADV_PAGEOUT skips a page being read or under writeback, move_pages one
+# being migrated or locked for a moment.
+OPERATOR_ATTEMPTS = 3
+RETRYABLE = frozenset({"NOT_PAGED_OUT", "EBUSY", "EAGAIN", "WRONG_NODE"})
+# what the migrator reports for pages of a block that is no longer mapped
+UNMAPPED = "UNMAPPED"
+_EFAULT = -errno.EFAULT
+
+
+class ManualMove(NamedTuple):
+    """An operator's move: blocks by (region id, index), the tier, its ticket."""
+
+    regions: np.ndarray
+    indices: np.ndarray
+    tier: int
+    ticket: int = -1
+    # a retry: moved even if most of the block is there already (the pages
+    # left behind are what it is for)
+    retry: bool = False
+
+
+@dataclass
+class MoveTicket:
+    """One `migrate` request followed to its end: what moved, what did not
+    and why, after the retries. ``future`` (with `migrate wait`) gets the
+    report once no block of it is pending."""
+
+    id: int
+    region: int
+    tier: int
+    blocks: int
+    started: float
+    future: "asyncio.Future | None" = None
+    pending: int = 0
+    attempts: int = 1
+    moved: int = 0
+    failed: int = 0
+    already: int = 0
+    gone: int = 0
+    unmapped: int = 0
+    engine: int = 0
+    planned: int = 0  # a dry run would have moved them
+    untouched: int = 0  # no page written yet: nothing to move
+    retried: int = 0
+    pages_moved: int = 0
+    failed_pages: collections.Counter = field(default_factory=collections.Counter)
+    dry_run: bool = False
+
+    def report(self, now: float) -> dict:
+        return {
+            "region": self.region, "tier": self.tier, "blocks": self.blocks, "moved": self.moved,
+            "failed": self.failed, "already": self.already, "unmapped": self.unmapped, "gone": self.gone,
+            "engine": self.engine, "planned": self.planned, "untouched": self.untouched, "retried": self.retried, "attempts": self.attempts,
+            "pages_moved": self.pages_moved, "failed_pages": dict(self.failed_pages),
+            "dry_run": self.dry_run, "seconds": now - self.started,
+        }
 
 
 def _keys_of(slices: dict[int, Slice], rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -116,6 +175,13 @@ class MoveJob:
     failures: collections.Counter = field(default_factory=collections.Counter)  # (src, dst, errno) -> pages
     measured_tier: np.ndarray | None = None  # failed moves, re-measured after the move (-1: not)
     seconds: float = 0.0
+    ticket: np.ndarray | None = None  # int64 MoveTicket id per move (-1: none)
+    unmapped: np.ndarray | None = None  # the block's memory is not (all) mapped: not attempted
+    done_pages: np.ndarray | None = None  # pages that ended at the target, per move
+    retry: np.ndarray | None = None  # failed for a passing reason only (operator moves retry it)
+    # ticket id -> pages by reason: final, or of batches that will be retried
+    ticket_errors: dict = field(default_factory=dict)
+    ticket_retry_errors: dict = field(default_factory=dict)
 
     @classmethod
     def of_rows(cls, table: BlockTable, rows: np.ndarray, src: np.ndarray, dst: np.ndarray, started: float,
@@ -145,6 +211,7 @@ class MeasureJob:
     measured_tier: np.ndarray | None = None  # full blocks: dominant tier or TIER_UNKNOWN
     present: np.ndarray | None = None  # full blocks: some page present or swapped
     window_tier: np.ndarray | None = None  # sampled blocks: dominant tier of the window, -1 none
+    efault: np.ndarray | None = None  # some page answered EFAULT: maybe no longer mapped
     pages: int = 0
     seconds: float = 0.0
 
@@ -249,7 +316,9 @@ class Engine:
         self.measurer = _Worker("measure")
         self.collector = _Worker("collect")
         self.last_tick = 0.0
-        self.manual: list[tuple[np.ndarray, np.ndarray, int]] = []  # (region ids, indices, tier)
+        self.manual: list[ManualMove] = []
+        self.tickets: dict[int, MoveTicket] = {}  # operator moves not finished
+        self._next_ticket = 1
         # prefetch/release: (region ids, indices, destination tiers, requested at)
         self.scheduled: list[tuple[np.ndarray, np.ndarray, np.ndarray, float]] = []
         self.loop = loop
@@ -351,7 +420,13 @@ class Engine:
             col = getattr(self.table, name)
             known = col >= 0
             col[known] = index_map[col[known].astype(np.int64)]
-        self.manual = [(r, i, int(index_map[t])) for r, i, t in self.manual if index_map[t] >= 0]
+        kept = []
+        for m in (ManualMove(*e) for e in self.manual):
+            if index_map[m.tier] >= 0:
+                kept.append(m._replace(tier=int(index_map[m.tier])))
+            else:
+                self._settle(m.ticket, m.regions.size, "gone")
+        self.manual = kept
         self.topology = topology
         # libnuma counts the nodes present when the daemon started: a node
         # hot-added since (a CXL region onlined) must still be a valid target.
@@ -389,9 +464,12 @@ class Engine:
 
     # -- operator requests -----------------------------------------------
 
-    def request_move(self, rows: np.ndarray, tier: int) -> int:
+    def request_move(self, rows: np.ndarray, tier: int, *, wait: bool = False) -> MoveTicket:
         """kvtierctl migrate: moved with the next job, outside the policy's
-        budget (the operator asked for it)."""
+        budget (the operator asked for it); blocks the kernel skipped for a
+        passing reason are tried again, OPERATOR_ATTEMPTS times in all. The
+        ticket follows the move to its end; with ``wait`` its future gets
+        the report."""
         self.check_tier(tier)
         # The region's own constraints win over an operator's one-off move
         # (unregister and register again to change them).
@@ -400,8 +478,89 @@ class Engine:
             raise InvalidArgument("blocks of a never_swap region cannot be moved to swap")
         if flags & F_KEEP_DRAM and tier != 0:
             raise InvalidArgument("blocks of a keep_dram region cannot leave tier 0")
-        self.manual.append((self.table.region[rows].astype(np.int64), self.table.index[rows].astype(np.int64), tier))
-        return int(rows.size)
+        region = int(self.table.region[rows[0]]) if rows.size else -1
+        ticket = MoveTicket(self._next_ticket, region, tier, int(rows.size), self.clock(),
+                            future=self.loop.create_future() if wait else None, pending=int(rows.size),
+                            dry_run=bool(self.migrator.dry_run))
+        self._next_ticket += 1
+        self.tickets[ticket.id] = ticket
+        if rows.size:
+            self.manual.append(ManualMove(self.table.region[rows].astype(np.int64),
+                                          self.table.index[rows].astype(np.int64), tier, ticket.id))
+        else:
+            self._settle(ticket.id, 0, "gone")
+        return ticket
+
+    def _settle(self, ticket_id: int, n: int, outcome: str, pages: int = 0,
+                errors: Mapping[str, int] | None = None) -> None:
+        """``n`` blocks of a ticket are done with ``outcome`` (a MoveTicket
+        counter: moved, failed, already, gone, unmapped, engine)."""
+        tk = self.tickets.get(int(ticket_id))
+        if tk is None:
+            return
+        setattr(tk, outcome, getattr(tk, outcome) + int(n))
+        tk.pages_moved += int(pages)
+        if errors:
+            tk.failed_pages.update(errors)
+        tk.pending -= int(n)
+        if tk.pending <= 0:
+            del self.tickets[tk.id]
+            report = tk.report(self.clock())
+            if tk.failed or tk.unmapped:
+                logs.event(log, "operator_move_partial", logging.WARNING, region=tk.region, tier=tk.tier,
+                           moved=tk.moved, failed=tk.failed, unmapped=tk.unmapped, attempts=tk.attempts,
+                           failed_pages=",".join(f"{k}:{v}" for k, v in sorted(tk.failed_pages.items())))
+            if tk.future is not None and not tk.future.done():
+                tk.future.set_result(report)
+
+    def _settle_rows(self, tickets: np.ndarray, mask: np.ndarray, outcome: str,
+                     pages: np.ndarray | None = None) -> None:
+        """Settle the moves selected by ``mask``, per ticket."""
+        sel = mask & (tickets >= 0)
+        if not sel.any():
+            return
+        for tid in np.unique(tickets[sel]):
+            mine = sel & (tickets == tid)
+            self._settle(int(tid), int(mine.sum()), outcome, int(pages[mine].sum()) if pages is not None else 0)
+
+    # -- memory that goes away ---------------------------------------------
+
+    def check_mapping(self, region_ids) -> dict[int, np.ndarray | None]:
+        """Which blocks of these regions are still mapped (one PROCMAP_QUERY
+        per VMA: cheap enough for the loop thread). A region none of whose
+        memory is mapped any more is dropped (the owner learns why from its
+        next request on it); the unmapped blocks of a partly unmapped one
+        are marked never touched and unplaced, so no plan moves them.
+        Returns the mask per region, None for a dropped one."""
+        reg, t = self.registry, self.table
+        out: dict[int, np.ndarray | None] = {}
+        for rid in region_ids:
+            r = reg.regions.get(int(rid))
+            if r is None or r.mode != "kernel":
+                continue
+            s = t.slices[r.id]
+            try:
+                mask = reg.processes.mapped_blocks(r.pid, t.addr[s.start:s.stop], t.nbytes[s.start:s.stop])
+            except (KvtierError, OSError) as e:  # process gone: the pid watcher drops it
+                log.debug("mapping check of region %d: %s", r.id, e)
+                continue
+            if not mask.any():
+                reg.drop_unmapped(r.id)
+                self._dirty = True
+                out[r.id] = None
+                continue
+            gone = np.flatnonzero(~mask) + s.start
+            t.tier[gone] = TIER_UNKNOWN
+            t.flags[gone] = (t.flags[gone] | np.uint8(F_NOT_PRESENT)) & np.uint8(~F_STALE & 0xFF)
+            if gone.size != r.unmapped_blocks:
+                logs.event(log, "region_partly_unmapped" if gone.size else "region_mapped_again",
+                           logging.WARNING if gone.size else logging.INFO, region=r.id, pid=r.pid,
+                           blocks_unmapped=int(gone.size), blocks=r.nblocks)
+                r.unmapped_blocks = int(gone.size)
+                self._dirty = True
+            out[r.id] = mask
+        self.stats.blocks_unmapped = sum(r.unmapped_blocks for r in reg.regions.values())
+        return out
 
     def request_measure(self, rows: np.ndarray | None = None) -> int:
         """Full re-measurement on demand: every page of the blocks (all when
@@ -452,7 +611,7 @@ class Engine:
             "last_tick_age_s": now - self.last_tick if self.last_tick else None,
             "job_running": self.mover.busy,
             "workers": {w.name: w.busy for w in (self.mover, self.measurer, self.collector)},
-            "manual_moves_pending": sum(int(r.size) for r, _, _ in self.manual),
+            "manual_moves_pending": sum(int(m[0].size) for m in self.manual),
             "scheduled_moves_pending": sum(int(r.size) for r, _, _, _ in self.scheduled),
             **self.engine_moves.status(),
             "stale_blocks": int(np.count_nonzero(self.table.flags & F_STALE)),
@@ -603,6 +762,8 @@ class Engine:
         except (KvtierError, OSError) as e:
             log.warning("topology refresh failed: %s", e)
         if len(self.table) == 0 or not self.topology.tiers:
+            for m in (ManualMove(*e) for e in self.manual):
+                self._settle(m.ticket, m.regions.size, "gone")
             self.manual.clear()
             self.scheduled.clear()
             return
@@ -638,6 +799,8 @@ class Engine:
             if exc is not None:
                 self.stats.tick_errors_total += 1
                 log.error("%s job failed: %r", worker.name, exc)
+                if isinstance(job, MoveJob) and job.ticket is not None:
+                    self._settle_rows(job.ticket, np.ones(job.ticket.size, dtype=bool), "failed")
                 return
             finish(job)
 
@@ -671,38 +834,54 @@ class Engine:
         rows = plan.rows.astype(np.int64)
         dst = plan.dst.astype(np.int8)
         pos = np.arange(len(plan), dtype=np.int64)
+        ticket = np.full(rows.size, -1, dtype=np.int64)
+        again = np.zeros(rows.size, dtype=bool)
         if self.manual:
-            m_rows, m_dst = [], []
-            for regions, indices, tier in self.manual:
-                r = t.rows_of(regions, indices)
+            m_rows, m_dst, m_ticket, m_again = [], [], [], []
+            for m in (ManualMove(*e) for e in self.manual):
+                r = t.rows_of(m.regions, m.indices)
+                self._settle(m.ticket, int((r < 0).sum()), "gone")  # unregistered meanwhile
                 r = r[r >= 0]
                 m_rows.append(r)
-                m_dst.append(np.full(r.size, tier, dtype=np.int8))
+                m_dst.append(np.full(r.size, m.tier, dtype=np.int8))
+                m_ticket.append(np.full(r.size, m.ticket, dtype=np.int64))
+                m_again.append(np.full(r.size, m.retry, dtype=bool))
             self.manual.clear()
             mr = np.concatenate(m_rows)
             md = np.concatenate(m_dst)
+            mt = np.concatenate(m_ticket)
+            ma = np.concatenate(m_again)
             # the operator's move replaces the plan's for the same block; the
-            # last request for a block wins
+            # last request for a block wins (the earlier one's ticket is told
+            # it is done: the block is in the later request's hands)
             _, last = np.unique(mr[::-1], return_index=True)
             keep = mr.size - 1 - last
-            mr, md = mr[keep], md[keep]
+            superseded = np.ones(mr.size, dtype=bool)
+            superseded[keep] = False
+            self._settle_rows(mt, superseded, "gone")
+            mr, md, mt, ma = mr[keep], md[keep], mt[keep], ma[keep]
             in_plan = np.isin(rows, mr)
             rows = np.concatenate([rows[~in_plan], mr])
             dst = np.concatenate([dst[~in_plan], md])
             pos = np.concatenate([pos[~in_plan], np.full(mr.size, -1, dtype=np.int64)])
+            ticket = np.concatenate([ticket[~in_plan], mt])
+            again = np.concatenate([again[~in_plan], ma])
         src = t.tier[rows].copy()
-        # A block already where it should be is not moved (manual no-ops).
-        go = dst != src
-        rows, dst, pos, src = rows[go], dst[go], pos[go], src[go]
+        # A block already where it should be is not moved (manual no-ops),
+        # unless it is a retry of pages left behind.
+        go = (dst != src) | again
+        self._settle_rows(ticket, ~go, "already")
+        rows, dst, pos, src, ticket = rows[go], dst[go], pos[go], src[go], ticket[go]
         if len(plan):
             self._dirty = True  # the plan may have been cut by its budget: look again next tick
         kernel = self._to_engines(rows, src, dst)
+        self._settle_rows(ticket, ~kernel, "engine")  # the engine answers with move_done
         engine_pos = pos[~kernel & (pos >= 0)]
-        rows, dst, pos, src = rows[kernel], dst[kernel], pos[kernel], src[kernel]
+        rows, dst, pos, src, ticket = rows[kernel], dst[kernel], pos[kernel], src[kernel], ticket[kernel]
         if rows.size == 0:
             return None
         return MoveJob.of_rows(t, rows, src, dst, now, plan=plan if len(plan) else None, plan_pos=pos,
-                               engine_pos=engine_pos)
+                               engine_pos=engine_pos, ticket=ticket)
 
     def _run_move(self, job: MoveJob) -> None:
         """On the mover thread: only the migrator and the job's arrays."""
@@ -713,12 +892,35 @@ class Engine:
         job.unmovable = np.zeros(n, dtype=bool)
         job.untouched = np.zeros(n, dtype=bool)
         job.dry = np.zeros(n, dtype=bool)
-        keys = np.stack([job.pid.astype(np.int64), job.src.astype(np.int64), job.dst.astype(np.int64)], axis=1)
+        job.unmapped = np.zeros(n, dtype=bool)
+        job.retry = np.zeros(n, dtype=bool)
+        job.done_pages = np.zeros(n, dtype=np.int64)
+        if job.ticket is None:
+            job.ticket = np.full(n, -1, dtype=np.int64)
+        pages_of = -(-job.nbytes.astype(np.int64) // PAGE_SIZE)
+        # One batch per (process, from, to, operator request): a request's
+        # outcome is then read straight from its batches' answers.
+        keys = np.stack([job.pid.astype(np.int64), job.src.astype(np.int64), job.dst.astype(np.int64),
+                         job.ticket], axis=1)
         uniq, inv = np.unique(keys, axis=0, return_inverse=True)
         inv = inv.ravel()
         order = np.argsort(inv, kind="stable")
         cuts = np.flatnonzero(np.diff(inv[order])) + 1
-        for (pid, src, dst), sel in zip(uniq, np.split(order, cuts)):
+        for (pid, src, dst, tid), sel in zip(uniq, np.split(order, cuts)):
+            try:
+                # Memory freed under the daemon: only what is still mapped is
+                # moved (move_pages and MADV_PAGEOUT refuse the whole batch
+                # otherwise); the rest is reported, and its regions checked.
+                mapped = m.mapped_blocks(int(pid), job.addr[sel], job.nbytes[sel])
+            except (KvtierError, OSError):
+                mapped = np.ones(sel.size, dtype=bool)  # the move itself says what is wrong
+            if not mapped.all():
+                gone = sel[~mapped]
+                job.unmapped[gone] = True
+                self._move_errors(job, int(src), int(dst), int(tid), {UNMAPPED: int(pages_of[gone].sum())}, False)
+                sel = sel[mapped]
+                if not sel.size:
+                    continue
             starts, lengths = job.addr[sel], job.nbytes[sel]
             try:
                 if self._is_swap(int(dst)):
@@ -728,11 +930,15 @@ class Engine:
                 else:
                     res = m.move(int(pid), starts, lengths, self._node_for(int(dst), int(pid)))
             except (KvtierError, OSError) as e:
-                name = getattr(e, "errno_name", None) or type(e).__name__
+                name = UNMAPPED if isinstance(e, RangeNotMapped) else (
+                    getattr(e, "errno_name", None) or type(e).__name__)
+                if name == UNMAPPED:
+                    job.unmapped[sel] = True  # unmapped since the check: the region check says how much
                 # Nothing of the batch moved: count its pages, the unit of
                 # the kernel's per-page statuses below (one unit per metric).
-                pages = -(-job.nbytes[sel].astype(np.int64) // PAGE_SIZE)
-                job.failures[(int(src), int(dst), name)] += int(pages.sum())
+                retry = name in RETRYABLE
+                job.retry[sel] = retry
+                self._move_errors(job, int(src), int(dst), int(tid), {name: int(pages_of[sel].sum())}, retry)
                 logs.event(log, "migration_batch_failed", logging.WARNING, pid=int(pid), src=int(src),
                            dst=int(dst), blocks=int(sel.size), reason=name, error=str(e))
                 continue
@@ -745,8 +951,14 @@ class Engine:
             job.unmovable[sel] = res.block_unmovable
             if res.block_untouched is not None:
                 job.untouched[sel] = res.block_untouched
-            for name, pages in res.errors.items():
-                job.failures[(int(src), int(dst), name)] += pages
+            done = getattr(res, "block_done", None)
+            job.done_pages[sel] = done if done is not None else np.where(res.block_ok, pages_of[sel], 0)
+            # A batch that failed only for passing reasons (a page under
+            # read, a migration in progress) is worth another try.
+            retry = bool(res.errors) and set(res.errors) <= RETRYABLE
+            if retry:
+                job.retry[sel] = ~res.block_ok & ~res.block_unmovable
+            self._move_errors(job, int(src), int(dst), int(tid), res.errors, retry)
             if res.errors:
                 # One line per batch, never per page: which pages failed and why.
                 logs.event(log, "migration_batch_partial", logging.WARNING, pid=int(pid), src=int(src),
@@ -755,6 +967,14 @@ class Engine:
                            errors=",".join(f"{k}:{v}" for k, v in sorted(res.errors.items())))
         self._remeasure_failed(job)
         job.seconds = time.monotonic() - t0
+
+    @staticmethod
+    def _move_errors(job: MoveJob, src: int, dst: int, ticket: int, errors: Mapping[str, int], retry: bool) -> None:
+        for name, pages in errors.items():
+            job.failures[(src, dst, name)] += pages
+        if ticket >= 0 and errors:
+            book = job.ticket_retry_errors if retry else job.ticket_errors
+            book.setdefault(ticket, collections.Counter()).update(errors)
 
     def _remeasure_failed(self, job: MoveJob) -> None:
         """Where the blocks whose move failed or was partial really are,
@@ -817,10 +1037,15 @@ class Engine:
                 counts = np.bincount(inv, minlength=len(uniq))
                 nbytes = np.bincount(inv, weights=nb, minlength=len(uniq))
                 for k, (s, d) in enumerate(uniq):
+                    if s == d:
+                        continue  # a retry of pages an operator move left behind: the block's tier is unchanged
                     st.migrations[(int(s), int(d))] += int(counts[k])
                     st.migrated_bytes[(int(s), int(d))] += int(nbytes[k])
         for key, n in job.failures.items():
             st.migration_failed_pages[key] += n
+        if job.unmapped is not None and job.unmapped.any():
+            self.check_mapping(np.unique(job.region[job.unmapped]).tolist())
+        self._follow_tickets(job, live)
         if job.requested_at is not None:
             # Scheduler hints, measured: from the request to the block in its tier.
             done = mv[job.ok[mv]]
@@ -851,6 +1076,45 @@ class Engine:
             st.dry_run_moves[key] += n
             st.dry_run_bytes[key] += last_bytes[key]
         st.dry_run_last_moves, st.dry_run_last_bytes = last, last_bytes
+
+    def _follow_tickets(self, job: MoveJob, live: np.ndarray) -> None:
+        """Operator moves: settle what is done, queue again what failed for
+        a passing reason (until OPERATOR_ATTEMPTS), report the rest."""
+        if job.ticket is None or not (job.ticket >= 0).any():
+            return
+        for tid in np.unique(job.ticket[job.ticket >= 0]):
+            tk = self.tickets.get(int(tid))
+            if tk is None:
+                continue
+            mine = job.ticket == tid
+            self._settle(tk.id, int((mine & ~live).sum()), "gone")
+            mine &= live
+            if job.dry is not None:
+                self._settle(tk.id, int((mine & job.dry).sum()), "planned")  # a dry run: nothing moved
+                mine &= ~job.dry
+            if job.untouched is not None:
+                self._settle(tk.id, int((mine & job.untouched).sum()), "untouched")  # no page written yet
+                mine &= ~job.untouched
+            ok = mine & job.ok
+            self._settle(tk.id, int(ok.sum()), "moved", int(job.done_pages[ok].sum()))
+            unm = mine & ~job.ok & job.unmapped
+            retry = mine & ~job.ok & ~job.unmapped & job.retry
+            final = mine & ~job.ok & ~job.unmapped & ~retry
+            errors = job.ticket_errors.get(tk.id, collections.Counter())
+            again = job.ticket_retry_errors.get(tk.id, collections.Counter())
+            if retry.any() and tk.attempts < OPERATOR_ATTEMPTS:
+                tk.attempts += 1
+                tk.retried += int(retry.sum())
+                self.manual.append(ManualMove(job.region[retry].copy(), job.index[retry].copy(), tk.tier, tk.id,
+                                              retry=True))
+            else:
+                final |= retry
+                errors = errors + again
+            # the unmapped pages are booked with the unmapped blocks
+            unm_pages = errors.pop(UNMAPPED, 0)
+            self._settle(tk.id, int(unm.sum()), "unmapped", errors={UNMAPPED: unm_pages} if unm_pages else None)
+            # what of a failed block did reach the target counts as moved pages
+            self._settle(tk.id, int(final.sum()), "failed", int(job.done_pages[final].sum()), errors=errors)
 
     def _record_placements(self) -> None:
         if self.recorder is not None:
@@ -964,6 +1228,7 @@ class Engine:
         job.measured_tier = np.full(nb, TIER_UNKNOWN, dtype=np.int8)
         job.present = np.zeros(nb, dtype=bool)
         job.window_tier = np.full(nb, TIER_UNKNOWN, dtype=np.int8)
+        job.efault = np.zeros(nb, dtype=bool)
         pages = 0
         for pid in np.unique(job.pid):
             mine = job.pid == pid
@@ -976,6 +1241,8 @@ class Engine:
                 else:
                     pages += int(r.pages.sum())
                     job.measured_tier[sel], job.present[sel] = _dominant_tier(r, lut, ntiers, job.swap_index)
+                    if r.errors.get("EFAULT"):
+                        job.efault[sel] = True
             sel = np.flatnonzero(mine & ~job.full)
             if sel.size:
                 addrs = job.window[sel]
@@ -985,6 +1252,7 @@ class Engine:
                     log.debug("sampled residency of pid %d: %s", pid, e)
                     continue
                 pages += int(status.size)
+                job.efault[sel] = (status == _EFAULT).any(axis=1)
                 on = (status >= 0) & (status < lut.size)
                 tier = np.where(on, lut[np.where(on, status, 0)], -1)
                 ok = tier >= 0
@@ -1042,6 +1310,13 @@ class Engine:
                 t.tier[r[new]] = wt[new]
                 flags[r[new]] &= np.uint8(~F_NOT_PRESENT & 0xFF)
                 self._dirty = True
+        # EFAULT: no page there (freed under the daemon) or the shared zero
+        # page (never written): the mappings tell them apart. Regions already
+        # partly unmapped are looked at again (the owner may map it back).
+        suspect = set(job.region[job.efault & (rows >= 0)].tolist()) if job.efault is not None else set()
+        suspect |= {r.id for r in self.registry.regions.values() if r.unmapped_blocks}
+        if suspect:
+            self.check_mapping(sorted(suspect))
         self._record_placements()
 
     # -- collect -----------------------------------------------------------

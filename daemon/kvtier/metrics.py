@@ -140,8 +140,10 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "kvtier_clients": ("gauge", (), "Processes with at least one registered region."),
     "kvtier_blocks": ("gauge", (), "Registered KV blocks."),
     "kvtier_registered_bytes": ("gauge", (), "Bytes of registered regions."),
+    "kvtier_blocks_unmapped": ("gauge", (), "Blocks of registered regions whose memory is no longer mapped."),
     "kvtier_region_events": ("counter", ("event",),
-                             "Region lifecycle: registered, unregistered, dropped_exit, adopted, stale."),
+                             "Region lifecycle: registered, unregistered, dropped_exit, dropped_unmapped "
+                             "(its memory was freed), adopted, stale."),
     "kvtier_connections": ("gauge", (), "Open client connections."),
     "kvtier_connections_accepted": ("counter", (), "Client connections accepted."),
     "kvtier_connections_refused": ("counter", (), "Connections refused (max_connections limits)."),
@@ -376,12 +378,14 @@ class Collector:
     def _registry_metrics(self) -> Iterator[Metric]:
         s = self.stats
         for name, value in (("kvtier_regions", s.regions), ("kvtier_clients", s.processes),
-                            ("kvtier_blocks", s.blocks), ("kvtier_registered_bytes", s.registered_bytes)):
+                            ("kvtier_blocks", s.blocks), ("kvtier_registered_bytes", s.registered_bytes),
+                            ("kvtier_blocks_unmapped", s.blocks_unmapped)):
             yield GaugeMetricFamily(name, METRICS[name][2], value=value)
         ev = _counter("kvtier_region_events")
         for event, value in (("registered", s.regions_registered_total),
                              ("unregistered", s.regions_unregistered_total),
                              ("dropped_exit", s.regions_dropped_exit_total),
+                             ("dropped_unmapped", s.regions_dropped_unmapped_total),
                              ("adopted", s.regions_adopted_total), ("stale", s.regions_stale_total)):
             ev.add_metric([event], value)
         yield ev

@@ -65,6 +65,7 @@ class MoveOutcome(Protocol):
     block_ok: np.ndarray | None
     block_unmovable: np.ndarray | None
     block_untouched: np.ndarray | None  # no page written yet: never touched, nothing moved
+    block_done: np.ndarray | None  # pages that ended at the target, per block
     dry_run: bool
 
 
@@ -78,6 +79,8 @@ class MigratorPort(Protocol):
     max_node: int  # highest NUMA node it moves to; raised when a node is hot-added
 
     def query_nodes(self, pid: int, addrs: np.ndarray) -> np.ndarray: ...
+
+    def mapped_blocks(self, pid: int, starts: np.ndarray, lengths: np.ndarray | int) -> np.ndarray: ...
 
     def residency(self, pid: int, starts: np.ndarray, lengths: np.ndarray | int) -> ResidencyView: ...
 

@@ -181,6 +181,7 @@ class Migrate(Request, tag="migrate"):
     region: RegionId
     tier: Tier
     blocks: Packed | None = None
+    wait: bool = False  # answer once the move is done, with what moved and what did not
 
 
 class Measure(Request, tag="measure"):

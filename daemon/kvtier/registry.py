@@ -13,6 +13,7 @@ so the state file and the liveness checks always compare both.
 
 from __future__ import annotations
 
+import collections
 import errno
 import logging
 import time
@@ -46,6 +47,10 @@ MIN_BLOCK_SIZE = 4096
 
 # Region ids travel as the protocol's `region` type: 1..2^31-1.
 MAX_REGION_ID = (1 << 31) - 1
+# Why recently dropped regions went, so a client's next request on one is
+# told (the daemon has no channel to tell a plain client unasked). Bounded:
+# the oldest reasons are forgotten first.
+MAX_DROP_REASONS = 4096
 
 class NotFound(KvtierError, LookupError):
     code = "not_found"
@@ -78,6 +83,10 @@ class ProcessChecker(Protocol):
 
     def alive(self, pid: int, start_time: int | None) -> bool: ...
 
+    def mapped_blocks(self, pid: int, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Per block, whether its whole range is mapped (by any mapping)."""
+        ...
+
 
 @dataclass
 class Region:
@@ -104,6 +113,8 @@ class Region:
     # "kernel": the daemon moves its pages; "engine": the owner moves its
     # blocks between its own pools on request (kvtier.engine_moves).
     mode: str = "kernel"
+    # blocks found no longer mapped (the owner freed part of the range)
+    unmapped_blocks: int = 0
 
     @property
     def end(self) -> int:
@@ -151,6 +162,7 @@ class Registry:
         self.next_id = 1
         self.generation = 0  # bumped whenever table rows shift (region added/removed)
         self.recorder = recorder  # kvtier.record.Recorder when [record] is on
+        self.drop_reasons: collections.OrderedDict[int, str] = collections.OrderedDict()
 
     # -- registration ----------------------------------------------------
 
@@ -201,6 +213,8 @@ class Registry:
                 f"daemon holds {len(self.table)} blocks; {nblocks} more exceed "
                 f"limits.max_blocks_total={lim.max_blocks_total}"
             )
+        if engine_tiers is None:
+            self._drop_replaced(pid, start, length)
         mine = [self.regions[r] for r in self.by_pid.get(pid, ())]
         if len(mine) + 1 > lim.max_regions_per_process:
             raise LimitExceeded(
@@ -261,6 +275,7 @@ class Registry:
             mode="engine" if engine else "kernel",
         )
         self.regions[region_id] = reg
+        self.drop_reasons.pop(region_id, None)
         if self.recorder is not None:
             self.recorder.region_added(region_id)
         self.by_pid.setdefault(pid, set()).add(region_id)
@@ -298,8 +313,43 @@ class Registry:
     def get(self, region_id: int) -> Region:
         reg = self.regions.get(region_id)
         if reg is None:
-            raise NotFound(f"no region {region_id}")
+            why = self.drop_reasons.get(region_id)
+            raise NotFound(f"no region {region_id}" + (f": {why}" if why else ""))
         return reg
+
+    def _dropped(self, reg: Region, why: str) -> None:
+        self.drop_reasons[reg.id] = f"dropped at {time.strftime('%Y-%m-%dT%H:%M:%S%z')}: {why}"
+        while len(self.drop_reasons) > MAX_DROP_REASONS:
+            self.drop_reasons.popitem(last=False)
+
+    def drop_unmapped(self, region_id: int) -> Region:
+        """The region's memory is gone (munmap, free of a large buffer): its
+        blocks can never be measured or moved again, and it counts against
+        the owner's limits. Forget it and keep the reason for the owner."""
+        reg = self.remove(region_id)
+        self.stats.regions_dropped_unmapped_total += 1
+        self._dropped(reg, f"its memory 0x{reg.start:x}+{reg.length} is no longer mapped in pid {reg.pid} "
+                           "(freed or unmapped)")
+        logs.event(log, "region_dropped", logging.WARNING, region=reg.id, pid=reg.pid, name=reg.name,
+                   reason="unmapped", bytes=reg.length)
+        return reg
+
+    def _drop_replaced(self, pid: int, start: int, length: int) -> None:
+        """A process registering a range over one of its regions whose memory
+        is no longer all mapped freed that memory and mapped new memory in
+        its place (an allocator reusing the address): the old region goes,
+        rather than every register of the new buffer failing with overlap."""
+        for rid in list(self.by_pid.get(pid, ())):
+            r = self.regions[rid]
+            if r.mode != "kernel" or not (start < r.end and r.start < start + length):
+                continue
+            addrs = self.table.region_view(rid, "addr")
+            try:
+                mapped = self.processes.mapped_blocks(pid, addrs, self.table.region_view(rid, "nbytes"))
+            except KvtierError:
+                continue
+            if not mapped.all():
+                self.drop_unmapped(rid)
 
     def remove(self, region_id: int) -> Region:
         reg = self.get(region_id)
@@ -324,7 +374,7 @@ class Registry:
         """The process exited: forget all of its regions."""
         ids = list(self.by_pid.get(pid, ()))
         for rid in ids:
-            self.remove(rid)
+            self._dropped(self.remove(rid), f"its process {pid} exited")
         if ids:
             self.stats.regions_dropped_exit_total += len(ids)
             logs.event(log, "regions_dropped", pid=pid, regions=len(ids), reason="process exited")

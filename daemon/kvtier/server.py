@@ -176,8 +176,9 @@ def is_privileged(uid: int, gid: int, admin_gid: int | None) -> bool:
 
 
 class AfterWrite:
-    """A result to send once ``future`` is done (None: at once). The
-    connection answers nothing else meanwhile, so answers stay in order."""
+    """A result to send once ``future`` is done (None: at once); a result of
+    None sends the future's own result. The connection answers nothing else
+    meanwhile, so answers stay in order."""
 
     __slots__ = ("future", "result")
 
@@ -585,7 +586,23 @@ class ControlAPI:
             raise protocol.ProtocolError(protocol.E_INVALID_ARGUMENT,
                                   f"region {reg.id} is pinned by its engine: its pages cannot move")
         rows = self.registry.rows(req.region, protocol.unpack(req.blocks, protocol.BLOCKS_DTYPE, "blocks"))
-        return {"queued": self.engine.request_move(rows, req.tier)}
+        unmapped = np.zeros(0, dtype=np.int64)
+        if reg.mode == "kernel":
+            # Memory the owner freed is not queued: the answer says which
+            # blocks, and a region with nothing mapped left is dropped here.
+            mask = self.engine.check_mapping([reg.id]).get(reg.id, np.ones(reg.nblocks, dtype=bool))
+            if mask is None:
+                self.registry.get(reg.id)  # raises not_found with the reason
+            start = self.registry.table.slices[reg.id].start
+            mapped = mask[rows - start]
+            unmapped, rows = rows[~mapped] - start, rows[mapped]
+        ticket = self.engine.request_move(rows, req.tier, wait=req.wait)
+        extra = {"unmapped": int(unmapped.size), "unmapped_blocks": _ranges(unmapped)}
+        if req.wait:
+            fut = asyncio.get_running_loop().create_future()
+            ticket.future.add_done_callback(lambda f: fut.set_result({**f.result(), **extra}))
+            return AfterWrite(fut, None)
+        return {"queued": int(rows.size), **extra}
 
     def op_measure(self, peer: Peer, req: protocol.Measure) -> dict:
         self._own(peer, req.region)
@@ -608,6 +625,17 @@ class ControlAPI:
                                   f"block {req.block} out of range: region {reg.id} has {reg.nblocks}")
         row = self.registry.table.slices[reg.id].start + req.block
         return {"region": reg.id, "block": req.block, "text": self.engine.explain(row)}
+
+
+def _ranges(blocks: np.ndarray, limit: int = 64) -> list[list[int]]:
+    """[[first, last], ...] runs of sorted block indices, the first ``limit``."""
+    if blocks.size == 0:
+        return []
+    b = np.sort(blocks)
+    brk = np.flatnonzero(np.diff(b) != 1) + 1
+    firsts = np.concatenate(([0], brk))[:limit]
+    lasts = np.concatenate((brk, [b.size]))[:limit] - 1
+    return [[int(b[f]), int(b[l])] for f, l in zip(firsts, lasts)]
 
 
 class TokenBucket:
@@ -819,7 +847,8 @@ class Connection(asyncio.Protocol):
             if isinstance(result, AfterWrite):
                 if result.future is not None:
                     self.waiting = result.future
-                    result.future.add_done_callback(lambda _f, r=rid, res=result.result: self._resume(r, res))
+                    result.future.add_done_callback(
+                        lambda f, r=rid, res=result.result: self._resume(r, f.result() if res is None else res))
                     return b""
                 result = result.result
             return protocol.ok(rid, result)

@@ -17,9 +17,7 @@ import io
 import os
 import re
 import signal
-import subprocess
 import sys
-import textwrap
 import time
 import urllib.request
 from argparse import Namespace
@@ -30,6 +28,7 @@ import waiting
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvchild import KVChild
+from kvtierd import acting
 from kvtier import top
 from kvtier.client import Client, KvtierClientError
 
@@ -58,56 +57,27 @@ class Scrape:
         return sum(hits) if hits else None
 
 
+CONFIG = f"""\
+    tick_interval = 0.1
+    residency_interval = 0.5
+    [policy]
+    capacity = {{ "0" = {DRAM_BUDGET} }}
+    min_residence_s = 0.0
+    [hotness]
+    tau_s = 2.0
+    """
+
+
 @pytest.fixture
 def kvtierd(tmp_path, swapfile):
-    yield from run_kvtierd(tmp_path)
+    with acting(tmp_path, CONFIG, DEADLINE) as daemon:
+        yield daemon
 
 
 @pytest.fixture
 def kvtierd_dry(tmp_path, swapfile):
-    yield from run_kvtierd(tmp_path, "--dry-run")
-
-
-def run_kvtierd(tmp_path, *args: str):
-    sock = tmp_path / "kvtierd.sock"
-    conf = tmp_path / "kvtierd.toml"
-    conf.write_text(textwrap.dedent(f"""\
-        [daemon]
-        socket = "{sock}"
-        state_file = ""
-        tick_interval = 0.1
-        residency_interval = 0.5
-        [policy]
-        capacity = {{ "0" = {DRAM_BUDGET} }}
-        min_residence_s = 0.0
-        [hotness]
-        tau_s = 2.0
-        [metrics]
-        address = "127.0.0.1"
-        port = 0
-        """))
-    log = tmp_path / "kvtierd.log"
-    with open(log, "wb") as logf:
-        proc = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", "-c", str(conf), *args],
-                                stdout=logf, stderr=logf)
-
-    def url():
-        if proc.poll() is not None:
-            raise AssertionError(f"kvtierd exited {proc.returncode}: {log.read_text()}")
-        m = re.search(r"metrics on (http://\S+/metrics)", log.read_text())
-        return m and m.group(1)
-
-    try:
-        metrics_url = wait_for(url, "kvtierd to start its metrics exporter")
-        wait_for(lambda: sock.exists(), "the control socket")
-        yield Namespace(socket=str(sock), url=metrics_url, log=log, conf=conf, proc=proc)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=DEADLINE)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with acting(tmp_path, CONFIG, DEADLINE, "--dry-run") as daemon:
+        yield daemon
 
 
 def scrape(url: str) -> Scrape:

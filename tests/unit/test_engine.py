@@ -23,13 +23,13 @@ import pytest
 
 from kvtier import policy as pol
 from kvtier.blocks import F_NOT_PRESENT, F_STALE, F_UNMOVABLE, BlockTable
-from kvtier.engine import Engine
-from kvtier.errors import os_error
+from kvtier.engine import OPERATOR_ATTEMPTS, Engine
+from kvtier.errors import RangeNotMapped, os_error
 from kvtier.hotness import Temperature
 from kvtier.kernel import topology as topo_mod
 from kvtier.kernel.migrator import MoveResult, Residency, page_layout
 from kvtier.kernel.sources.base import Availability, Observation
-from kvtier.registry import Limits, Registry
+from kvtier.registry import Limits, NotFound, Registry
 from kvtier.stats import DaemonStats
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "host-1node"
@@ -50,7 +50,10 @@ class FakeKernel:
     ``fail``: op name -> errno raised for the whole call;
     ``hold``: op name -> Event the op waits on after doing its work (so a
     test can look at the engine while the move is half done; "residency"
-    holds only the measuring thread's).
+    holds only the measuring thread's);
+    ``unmap(first, n)``: pages no longer mapped (freed by the process):
+    move_pages answers -EFAULT for them, and a move or pageout over any of
+    them is refused whole (RangeNotMapped), as the real migrator does.
     """
 
     dry_run = False
@@ -58,7 +61,9 @@ class FakeKernel:
 
     def __init__(self, npages: int):
         self.loc = np.zeros(npages, dtype=np.int64)  # every page on node 0
+        self.mapped = np.ones(npages, dtype=bool)
         self.stuck: set[int] = set()
+        self.stuck_calls = 1 << 30  # how many more pageouts skip the stuck pages
         self.pinned: set[int] = set()
         self.fail: dict[str, int] = {}
         self.hold: dict[str, threading.Event] = {}
@@ -68,11 +73,21 @@ class FakeKernel:
         lay = page_layout(np.asarray(starts, dtype=np.uint64), lengths, PAGE)
         return lay, ((lay.addrs - np.uint64(BASE)) // np.uint64(PAGE)).astype(np.int64)
 
-    def _enter(self, op: str, pid: int, starts) -> None:
+    def _enter(self, op: str, pid: int, starts, lengths=None) -> None:
         assert pid == PID
         self.calls.append((op, [int(s - BASE) // BLOCK for s in np.asarray(starts, dtype=np.uint64)]))
         if op in self.fail:
             raise os_error(self.fail[op], f"{op} pid={pid}")
+        if lengths is not None and not self.mapped[self._pages(starts, lengths)[1]].all():
+            raise RangeNotMapped(f"{op}: range not mapped")
+
+    def unmap(self, first_page: int, n: int) -> None:
+        self.mapped[first_page : first_page + n] = False
+        self.loc[first_page : first_page + n] = ABSENT
+
+    def mapped_blocks(self, pid, starts, lengths):
+        lay, idx = self._pages(starts, lengths)
+        return lay.per_block(~self.mapped[idx]) == 0
 
     def _leave(self, op: str) -> None:
         ev = self.hold.get(op)
@@ -82,13 +97,17 @@ class FakeKernel:
     def query_nodes(self, pid, addrs):
         idx = ((np.asarray(addrs, dtype=np.uint64) - np.uint64(BASE)) // np.uint64(PAGE)).astype(np.int64)
         loc = self.loc[idx]
-        return np.where(loc >= 0, loc, -errno.ENOENT).astype(np.int32)
+        return np.where(~self.mapped[idx], -errno.EFAULT,
+                        np.where(loc >= 0, loc, -errno.ENOENT)).astype(np.int32)
 
     def residency(self, pid, starts, lengths):
         lay, idx = self._pages(starts, lengths)
         loc = self.loc[idx]
         node_pages = lay.per_block(loc == 0)[:, None]
-        res = Residency(node_pages, lay.per_block(loc == SWAP), lay.per_block(loc == ABSENT), {}, lay.pages)
+        unmapped = ~self.mapped[idx]
+        errors = {"EFAULT": int(unmapped.sum())} if unmapped.any() else {}
+        res = Residency(node_pages, lay.per_block(loc == SWAP), lay.per_block((loc == ABSENT) & ~unmapped),
+                        errors, lay.pages)
         if threading.current_thread().name.startswith("kvtier-measure"):
             self._leave("residency")  # held: the answer is as it was when asked
         return res
@@ -102,17 +121,17 @@ class FakeKernel:
         errors = {"EBUSY": int(bad.sum())} if bad.any() else {}
         ok = lay.per_block(bad) == 0
         return MoveResult(op, target, len(idx), int((present & ~busy).sum()), errors, ok, ~ok, page_size=PAGE,
-                          block_untouched=untouched)
+                          block_untouched=untouched, block_done=lay.per_block(present & ~busy))
 
     def move(self, pid, starts, lengths, node):
-        self._enter("move", pid, starts)
+        self._enter("move", pid, starts, lengths)
         lay, idx = self._pages(starts, lengths)
         res = self._move_result("move", f"node {node}", lay, idx, node)
         self._leave("move")
         return res
 
     def pagein(self, pid, starts, lengths, node):
-        self._enter("pagein", pid, starts)
+        self._enter("pagein", pid, starts, lengths)
         lay, idx = self._pages(starts, lengths)
         swapped = self.loc[idx] == SWAP
         self.loc[idx[swapped]] = node
@@ -121,9 +140,12 @@ class FakeKernel:
         return res
 
     def pageout(self, pid, starts, lengths):
-        self._enter("pageout", pid, starts)
+        self._enter("pageout", pid, starts, lengths)
         lay, idx = self._pages(starts, lengths)
         skip = np.isin(lay.addrs, np.fromiter(self.stuck, dtype=np.uint64, count=len(self.stuck)))
+        if self.stuck_calls <= 0:
+            skip[:] = False
+        self.stuck_calls -= 1
         present = self.loc[idx] >= 0
         untouched = lay.per_block(self.loc[idx] != ABSENT) == 0
         self.loc[idx[present & ~skip]] = SWAP
@@ -131,7 +153,8 @@ class FakeKernel:
         errors = {"NOT_PAGED_OUT": int(left.sum())} if left.any() else {}
         ok = lay.per_block(left) == 0
         res = MoveResult("pageout", "swap", len(idx), int((present & ~skip).sum()), errors, ok,
-                         np.zeros(len(ok), dtype=bool), page_size=PAGE, block_untouched=untouched)
+                         np.zeros(len(ok), dtype=bool), page_size=PAGE, block_untouched=untouched,
+                         block_done=lay.per_block(self.loc[idx] == SWAP))
         self._leave("pageout")
         return res
 
@@ -144,10 +167,15 @@ class FakeKernel:
 
 
 class FakeProcesses:
-    """The registry's view of processes: PID is alive and maps [BASE, BASE + n)."""
+    """The registry's view of processes: PID is alive and maps [BASE, BASE + n)
+    (less what the kernel was told to unmap)."""
 
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int, kernel: FakeKernel):
         self.nbytes = nbytes
+        self.kernel = kernel
+
+    def mapped_blocks(self, pid, starts, lengths):
+        return self.kernel.mapped_blocks(pid, starts, lengths)
 
     def start_time(self, pid):
         return 1
@@ -196,7 +224,7 @@ class Rig:
         self.stats = DaemonStats()
         temp = Temperature(30.0)
         self.kernel = FakeKernel(blocks * PPB * 3)  # room for more regions after the first
-        self.registry = Registry(self.table, Limits(), self.stats, temp, FakeProcesses(3 * blocks * BLOCK),
+        self.registry = Registry(self.table, Limits(), self.stats, temp, FakeProcesses(3 * blocks * BLOCK, self.kernel),
                                  clock=self.clock)
         topo = topo_mod.discover(str(FIXTURE / "sys"), str(FIXTURE / "proc"))
         topo.refresh_free = lambda: None  # the fixture's meminfo never changes
@@ -329,7 +357,7 @@ def test_operator_moves_are_made_and_counted(rig):
     r = rig(8, capacity={DRAM: 64 * BLOCK})  # the policy itself moves nothing
     r.settle()
     rows = np.arange(r.rows().start + 2, r.rows().start + 5)
-    assert r.engine.request_move(rows, SWAP_TIER) == 3
+    assert r.engine.request_move(rows, SWAP_TIER).blocks == 3
     r.tick()
     assert ("pageout", [2, 3, 4]) in r.kernel.calls
     assert r.tiers() == [0, 0, 1, 1, 1, 0, 0, 0]
@@ -473,3 +501,76 @@ def test_move_results_land_on_their_blocks_when_rows_shift(rig):
     assert r.tiers(second) == [DRAM] * 4
     assert r.tiers(third) == [DRAM, SWAP_TIER, SWAP_TIER, DRAM]
     assert r.stats.migrations[(DRAM, SWAP_TIER)] == 2
+
+
+# -- memory that goes away, operator moves followed to their end (issue 13 items 4, 5; 12.10)
+
+
+def _report(r: Rig, ticket) -> dict:
+    """Tick until the ticket's future has the report."""
+    r.tick_until(lambda: ticket.future.done())
+    return ticket.future.result()
+
+
+def test_a_region_whose_memory_is_gone_is_dropped_with_its_reason(rig):
+    """Kills: the engine ignoring EFAULT in its measurements (the region
+    stayed registered at tier -1 forever, counted against the limits), or
+    dropping without telling why: the owner's next request names it."""
+    r = rig(8)
+    other = r.registry.add(PID, BASE + 8 * BLOCK, 4 * BLOCK, BLOCK, name="kept").id
+    r.settle()
+    r.kernel.unmap(0, 8 * PPB)  # the owner freed its first pool
+    r.engine.request_measure()
+    r.tick(2)
+    assert r.region not in r.registry.regions and other in r.registry.regions
+    assert r.stats.regions_dropped_unmapped_total == 1
+    with pytest.raises(NotFound, match=r"no longer mapped in pid 4242"):
+        r.registry.get(r.region)
+    assert r.tiers(other) == [DRAM] * 4
+
+
+def test_a_partly_unmapped_region_is_moved_where_mapped_and_reported(rig):
+    """Kills: `_run_move` handing the whole batch to the migrator (refused
+    whole: the mapped blocks did not move either, "queued" and nothing
+    else), or not reporting the unmapped blocks to the operator."""
+    r = rig(8, capacity={DRAM: 64 * BLOCK})
+    r.settle()
+    r.kernel.unmap(6 * PPB, 2 * PPB)  # blocks 6 and 7 freed
+    ticket = r.engine.request_move(np.arange(r.rows().start, r.rows().stop), SWAP_TIER, wait=True)
+    rep = _report(r, ticket)
+    assert (rep["moved"], rep["unmapped"], rep["failed"]) == (6, 2, 0)
+    assert rep["pages_moved"] == 6 * PPB and rep["failed_pages"] == {"UNMAPPED": 2 * PPB}
+    assert r.tiers()[:6] == [SWAP_TIER] * 6
+    r.tick(2)
+    assert r.tiers()[6:] == [-1, -1]  # not placed, and never planned again
+    assert r.registry.regions[r.region].unmapped_blocks == 2 and r.stats.blocks_unmapped == 2
+
+
+def test_an_operator_pageout_retries_pages_skipped_for_a_passing_reason(rig):
+    """Kills: operator moves never retried (a pageout of a cache under
+    decode put 42 % in swap and said nothing), and a report that counts
+    the skipped pages of the attempt that was retried as failed."""
+    r = rig(8, capacity={DRAM: 64 * BLOCK})
+    r.settle()
+    r.kernel.stuck = r.kernel.block_pages(3, n=8)
+    r.kernel.stuck_calls = 1  # read during the first pageout only
+    ticket = r.engine.request_move(np.arange(r.rows().start, r.rows().stop), SWAP_TIER, wait=True)
+    rep = _report(r, ticket)
+    assert (rep["moved"], rep["failed"], rep["attempts"], rep["retried"]) == (8, 0, 2, 1)
+    assert rep["failed_pages"] == {} and rep["pages_moved"] == 8 * PPB
+    assert (r.kernel.loc[: 8 * PPB] == SWAP).all()
+    assert r.stats.migration_failed_pages[(DRAM, SWAP_TIER, "NOT_PAGED_OUT")] == 8  # the kernel's count
+
+
+def test_operator_retries_are_bounded_and_the_last_attempt_is_reported(rig):
+    """Kills: retrying without bound, or reporting every attempt's skipped
+    pages (3 x 4) instead of what is still not in swap (4)."""
+    r = rig(8, capacity={DRAM: 64 * BLOCK})
+    r.settle()
+    r.kernel.stuck = r.kernel.block_pages(5, n=4)
+    ticket = r.engine.request_move(np.arange(r.rows().start, r.rows().stop), SWAP_TIER, wait=True)
+    rep = _report(r, ticket)
+    assert (rep["moved"], rep["failed"], rep["attempts"]) == (7, 1, OPERATOR_ATTEMPTS)
+    assert rep["failed_pages"] == {"NOT_PAGED_OUT": 4} and rep["pages_moved"] == 8 * PPB - 4
+    assert [op for op, _ in r.kernel.calls].count("pageout") == OPERATOR_ATTEMPTS
+    assert r.engine.tickets == {} and r.engine.manual == []

@@ -166,6 +166,7 @@ class MoveResult:
     # (blocks,) no page written yet, nothing moved: the block is never touched,
     # not where it was sent (ok all the same: never a failure)
     block_untouched: np.ndarray | None = None
+    block_done: np.ndarray | None = None  # (blocks,) pages that ended where asked
 
     @property
     def bytes_done(self) -> int:
@@ -302,6 +303,13 @@ class Migrator:
             errors[name] = errors.get(name, 0) + n
         return Residency(node_pages, swapped, absent, errors, layout.pages, shm.cached)
 
+    def mapped_blocks(self, pid: int, starts: np.ndarray, lengths: np.ndarray | int) -> np.ndarray:
+        """Per block, whether all of it is mapped (procmap.mapped_blocks):
+        memory freed under the daemon is not attempted at all."""
+        starts = np.asarray(starts, dtype=np.uint64)
+        return procmap.mapped_blocks(pid, starts, np.broadcast_to(np.asarray(lengths, dtype=np.uint64),
+                                                                  starts.shape), self.proc_root)
+
     def check_mapped(self, pid: int, layout: PageLayout) -> None:
         """Raise RangeNotMapped unless every block lies inside the process's mappings.
 
@@ -413,6 +421,7 @@ class Migrator:
         return MoveResult(
             op, target, len(layout.addrs), int(done_page.sum()), errors, block_ok, block_unmovable,
             time.monotonic() - t0, page_size=self.page_size, block_untouched=untouched,
+            block_done=layout.per_block(done_page),
         )
 
     def _iov(self, layout: PageLayout) -> np.ndarray:
@@ -498,6 +507,7 @@ class Migrator:
             op, "swap", len(layout.addrs), int(swapped.sum() + shm.swapped.sum()), errors, block_ok,
             np.zeros(len(block_ok), dtype=bool),
             time.monotonic() - t0, page_size=self.page_size, block_untouched=untouched,
+            block_done=layout.per_block(swapped) + shm.swapped,
         )
 
     @_locked

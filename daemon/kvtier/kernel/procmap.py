@@ -22,6 +22,8 @@ import fcntl
 import os
 import struct
 
+import numpy as np
+
 from kvtier.kernel import procfs
 from kvtier.errors import PermissionDenied, ProcessGone, os_error
 
@@ -29,6 +31,9 @@ from kvtier.errors import PermissionDenied, ProcessGone, os_error
 _QUERY = struct.Struct("=QQQQQQQQQIIIIQQ")  # struct procmap_query, 104 bytes
 PROCMAP_QUERY = (3 << 30) | (_QUERY.size << 16) | (ord("f") << 8) | 17  # _IOWR('f', 17, ...)
 VMA_READABLE, VMA_WRITABLE, VMA_EXECUTABLE, VMA_SHARED = 0x01, 0x02, 0x04, 0x08
+# query_flags: answer the VMA covering the address or, in a gap, the next one
+# (so one ioctl per VMA walks a range with holes in it).
+COVERING_OR_NEXT_VMA = 0x10
 NAME_MAX = 4096
 
 
@@ -36,9 +41,10 @@ class _Unsupported(Exception):
     pass
 
 
-def _vma(fd: int, addr: int, name: ctypes.Array) -> procfs.Mapping | None:
-    """The VMA covering ``addr``, None if no VMA does."""
-    buf = bytearray(_QUERY.pack(_QUERY.size, 0, addr, 0, 0, 0, 0, 0, 0, 0, 0, NAME_MAX, 0,
+def _vma(fd: int, addr: int, name: ctypes.Array, flags: int = 0) -> procfs.Mapping | None:
+    """The VMA covering ``addr`` (or the next one, with COVERING_OR_NEXT_VMA),
+    None if no VMA does."""
+    buf = bytearray(_QUERY.pack(_QUERY.size, flags, addr, 0, 0, 0, 0, 0, 0, 0, 0, NAME_MAX, 0,
                                 ctypes.addressof(name), 0))
     try:
         fcntl.ioctl(fd, PROCMAP_QUERY, buf, True)
@@ -60,13 +66,17 @@ def _vma(fd: int, addr: int, name: ctypes.Array) -> procfs.Mapping | None:
     return procfs.Mapping(start, end, perms, offset, inode, path)
 
 
-def _query_range(path: str, start: int, length: int) -> list[procfs.Mapping]:
+def _open_maps(path: str) -> int:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         raise ProcessGone(errno.ESRCH, f"open {path}", "process does not exist") from None
     except PermissionError as e:
         raise PermissionDenied(e.errno, f"open {path}") from None
+
+
+def _query_range(path: str, start: int, length: int) -> list[procfs.Mapping]:
+    fd = _open_maps(path)
     try:
         name = ctypes.create_string_buffer(NAME_MAX)
         out: list[procfs.Mapping] = []
@@ -99,6 +109,67 @@ def check_range(pid: int, start: int, length: int, proc_root: str = "/proc", *, 
     procfs.check_range(mappings(pid, start, length, proc_root), start, length, kv_only=kv_only)
 
 
+def _spans(pid: int, runs: list[tuple[int, int]], proc_root: str) -> np.ndarray:
+    """(start, end) of every mapping overlapping the address runs, sorted,
+    adjacent ones merged: (n, 2) uint64."""
+    path = os.path.join(proc_root, str(pid), procfs.PROC_MAPS)
+    out: list[tuple[int, int]] = []
+    try:
+        fd = _open_maps(path)
+        try:
+            name = ctypes.create_string_buffer(NAME_MAX)
+            for lo, hi in runs:
+                pos = lo
+                while pos < hi:
+                    m = _vma(fd, pos, name, COVERING_OR_NEXT_VMA)
+                    if m is None or m.start >= hi:
+                        break
+                    out.append((m.start, m.end))
+                    pos = m.end
+        finally:
+            os.close(fd)
+    except _Unsupported:
+        out = [(m.start, m.end) for m in procfs.read_maps(pid, proc_root)
+               if any(m.start < hi and m.end > lo for lo, hi in runs)]
+    if not out:
+        return np.zeros((0, 2), dtype=np.uint64)
+    spans = np.array(sorted(out), dtype=np.uint64)
+    # merge touching mappings (a VMA split by mbind or madvise is still mapped)
+    new = np.concatenate(([True], spans[1:, 0] > spans[:-1, 1]))
+    starts = spans[new, 0]
+    ends = np.maximum.reduceat(spans[:, 1], np.flatnonzero(new))
+    return np.stack([starts, ends], axis=1)
+
+
+def mapped_blocks(pid: int, starts: np.ndarray, lengths: np.ndarray, proc_root: str = "/proc") -> np.ndarray:
+    """Per block, whether all of [start, start+length) is mapped (by any
+    mapping: what move_pages and MADV_PAGEOUT need to act on it).
+
+    One PROCMAP_QUERY per VMA the blocks span (gaps are skipped by asking
+    for the covering-or-next VMA), /proc/PID/maps before Linux 6.11; the
+    per-block answer is one searchsorted over the merged mappings. This is
+    how a block freed under the daemon (munmap) is told apart from one the
+    kernel answers EFAULT for while it is mapped (the shared zero page)."""
+    starts = np.asarray(starts, dtype=np.uint64)
+    ends = starts + np.broadcast_to(np.asarray(lengths, dtype=np.uint64), starts.shape)
+    if starts.size == 0:
+        return np.zeros(0, dtype=bool)
+    order = np.argsort(starts, kind="stable")
+    s, e = starts[order], ends[order]
+    # contiguous runs of blocks: one walk each (blocks of one region are adjacent)
+    brk = np.flatnonzero(s[1:] != e[:-1]) + 1
+    firsts = np.concatenate(([0], brk))
+    runs = list(zip(s[firsts].tolist(), np.maximum.reduceat(e, firsts).tolist()))
+    spans = _spans(pid, runs, proc_root)
+    ok = np.zeros(starts.size, dtype=bool)
+    if spans.shape[0]:
+        k = np.searchsorted(spans[:, 0], s, side="right") - 1
+        inside = k >= 0
+        kk = np.maximum(k, 0)
+        ok[order] = inside & (e <= spans[kk, 1]) & (s >= spans[kk, 0])
+    return ok
+
+
 class ProcProcesses:
     """The registry's ``ProcessChecker`` over a /proc tree: start time from
     /proc/PID/stat, ranges checked with PROCMAP_QUERY (maps as fallback)."""
@@ -114,3 +185,6 @@ class ProcProcesses:
 
     def alive(self, pid: int, start_time: int | None) -> bool:
         return procfs.process_alive(pid, start_time, self.proc_root)
+
+    def mapped_blocks(self, pid: int, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        return mapped_blocks(pid, starts, lengths, self.proc_root)

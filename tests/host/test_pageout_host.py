@@ -1,0 +1,147 @@
+"""Pageout as an operator and a policy meet it on a real kernel (root).
+
+A real kvtierd with a real swap file (the session's ``swapfile``), a KV pool
+owned by another process (tests/kvchild.py), and kvtierctl run as the
+operator runs it. What is checked is what the kernel says (pagemap) next to
+what kvtierd and kvtierctl report:
+
+- memory the owner frees under the daemon (munmap): a migrate moves what is
+  still mapped and names what is not; a region with nothing mapped left is
+  dropped, counted, and its owner's next request says why;
+- `kvtierctl migrate --wait`: pages the kernel will not page out (a forked
+  sharer maps them, so MADV_PAGEOUT skips them every time) are retried a
+  bounded number of times and reported per reason, exit 4.
+
+Waits poll with a generous deadline; nothing asserts on elapsed time.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+
+import numpy as np
+import pytest
+import waiting
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvchild import KVChild
+from kvtierd import acting
+from kvtier.client import Client, KvtierClientError
+from kvtier.kernel.procfs import PM_PRESENT, PM_SWAP, Pagemap
+
+pytestmark = pytest.mark.root
+
+MIB = 1 << 20
+BLOCK = 2 * MIB
+POOL = 32 * MIB  # 16 blocks
+PAGE = os.sysconf("SC_PAGE_SIZE")
+DEADLINE = 60.0
+
+wait_for = functools.partial(waiting.wait_for, timeout=DEADLINE, interval=0.1)
+
+
+@pytest.fixture
+def kvtierd(tmp_path, swapfile):
+    """kvtierd with room for everything in DRAM: only the operator moves."""
+    with acting(tmp_path, f"""\
+            tick_interval = 0.1
+            residency_interval = 0.5
+            [policy]
+            capacity = {{ "0" = {16 * POOL} }}
+            min_residence_s = 0.0
+            """, DEADLINE) as daemon:
+        yield daemon
+
+
+def metric(url: str, name: str, **labels: str) -> float | None:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    hits = [s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+    return sum(hits) if hits else None
+
+
+def ctl(kvtierd, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvtier.ctl", "--socket", kvtierd.socket, "--timeout",
+                           str(timeout), *args], capture_output=True, text=True, timeout=timeout + 30)
+
+
+def swapped_blocks(pid: int, addr: int, nblocks: int) -> np.ndarray:
+    """Pages in swap per block, from pagemap."""
+    with Pagemap(pid) as pm:
+        e = pm.read(addr, nblocks * BLOCK // PAGE, PAGE)
+    return ((e & PM_SWAP) != 0).reshape(nblocks, -1).sum(axis=1)
+
+
+def resident_blocks(pid: int, addr: int, nblocks: int) -> np.ndarray:
+    with Pagemap(pid) as pm:
+        e = pm.read(addr, nblocks * BLOCK // PAGE, PAGE)
+    return ((e & PM_PRESENT) != 0).reshape(nblocks, -1).sum(axis=1)
+
+
+def measured(region, n: int = 16):
+    """Every block placed (the first measurements are done)."""
+    return wait_for(lambda: (q := list(region.query())) and all(t >= 0 for t in q[:n]) and q,
+                    "every block measured")
+
+
+def test_migrate_moves_what_is_mapped_and_a_freed_region_is_dropped(kvtierd):
+    """Fails without the fix: the migrate said "queued 16", exit 0, and the
+    whole batch then failed (RangeNotMapped), the 12 mapped blocks included;
+    the freed region stayed registered at tier -1 forever."""
+    with KVChild(POOL) as child, Client(kvtierd.socket, name="test_pageout") as kv:
+        region = kv.register(addr=child.addr, length=POOL, block_size=BLOCK, name="pool", pid=child.pid)
+        measured(region)
+        assert child.ask(f"munmap {12 * BLOCK} {4 * BLOCK}") == "ok"
+        r = ctl(kvtierd, "migrate", str(region.id), "swap", "--wait")
+        assert r.returncode == 4, r.stdout + r.stderr
+        assert "12 of 16 block(s) moved" in r.stdout
+        assert "4 block(s) not mapped (freed by their process): 12-15" in r.stdout
+        assert (swapped_blocks(child.pid, child.addr, 12) == BLOCK // PAGE).all()
+        j = json.loads(ctl(kvtierd, "migrate", str(region.id), "dram", "--json").stdout)
+        assert (j["queued"], j["unmapped"], j["unmapped_blocks"]) == (12, 4, [[12, 15]])
+
+        # Now all of it: the region goes, and says so.
+        assert child.ask(f"munmap 0 {12 * BLOCK}") == "ok"
+        wait_for(lambda: metric(kvtierd.url, "kvtier_region_events_total", event="dropped_unmapped") == 1,
+                 "the region to be dropped")
+        assert metric(kvtierd.url, "kvtier_regions") == 0
+        with pytest.raises(KvtierClientError, match=r"no longer mapped in pid %d" % child.pid) as e:
+            region.query()
+        assert e.value.code == "not_found"
+        r = ctl(kvtierd, "blocks", str(region.id))
+        assert r.returncode == 1 and "freed or unmapped" in r.stderr
+        assert "region_dropped" in kvtierd.log.read_text()
+
+
+def test_migrate_wait_retries_and_reports_pages_the_kernel_kept(kvtierd):
+    """Fails without the fix: `migrate --wait` did not exist; the move said
+    "queued", exit 0, and the pages MADV_PAGEOUT skipped were neither
+    retried nor reported. Here a forked sharer maps 8 pages of block 5,
+    so the kernel skips them on every try: bounded retries, then a report."""
+    with KVChild(POOL) as child, Client(kvtierd.socket, name="test_pageout") as kv:
+        assert child.ask(f"share {5 * BLOCK} {8 * PAGE}") == "ok"
+        region = kv.register(addr=child.addr, length=POOL, block_size=BLOCK, name="pool", pid=child.pid)
+        measured(region)
+        r = ctl(kvtierd, "migrate", str(region.id), "swap", "--wait")
+        assert r.returncode == 4, r.stdout + r.stderr
+        assert "15 of 16 block(s) moved" in r.stdout and "after 3 attempts (2 block retries)" in r.stdout
+        assert "1 block(s) failed\n    8 page(s) NOT_PAGED_OUT" in r.stdout
+        sw = swapped_blocks(child.pid, child.addr, 16)
+        assert sw[5] == BLOCK // PAGE - 8 and (np.delete(sw, 5) == BLOCK // PAGE).all()
+        # back in, all of it: exit 0
+        r = ctl(kvtierd, "migrate", str(region.id), "dram", "--wait")
+        assert r.returncode == 0 and "16 of 16 block(s) moved" in r.stdout, r.stdout + r.stderr
+        assert (resident_blocks(child.pid, child.addr, 16) == BLOCK // PAGE).all()
+        # the same as JSON, for scripts
+        r = ctl(kvtierd, "migrate", str(region.id), "swap", "--wait", "--json")
+        assert r.returncode == 4, r.stdout + r.stderr
+        rep = json.loads(r.stdout)
+        assert (rep["moved"], rep["failed"], rep["attempts"], rep["unmapped"]) == (15, 1, 3, 0)
+        assert rep["failed_pages"] == {"NOT_PAGED_OUT": 8}
+        assert rep["pages_moved"] == 16 * BLOCK // PAGE - 8
