@@ -12,25 +12,38 @@ connection, one reader task: answers complete the futures of their requests
 (so any number of coroutines may call at once), and ``move`` events of
 engine-mode regions are served as they arrive, without polling: the
 region's ``on_move`` may be a plain function or a coroutine function.
-Unlike the blocking client it does not reconnect by itself: a lost daemon
-fails the pending calls with ``DaemonUnavailable`` and the next call too,
-until ``connect()`` is awaited again (which re-attaches engine regions).
+
+A daemon that restarts is handled as the blocking client does: the calls
+waiting when the connection drops, and any call made while it is down,
+reconnect (waiting up to ``reconnect_timeout``, one coroutine connecting
+for all) and are sent again once; the daemon re-adopts registrations from
+its state file, so region handles stay valid, and engine regions are
+re-attached. Hints made meanwhile are queued (at most ``hint_queue_max``
+block hints, oldest dropped and counted in ``hints_dropped``), a hint
+starts one reconnect attempt without waiting, and the queue is sent first
+on the new connection. A client that never reached a daemon fails at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
 import os
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, AsyncIterator, Callable, Iterable
 
 import msgspec
 import numpy as np
 
 from kvtier import protocol
 from kvtier.client import (ENV_SOCKET, DaemonUnavailable, EngineRegion, KvtierClientError, PoolMemory, Region,
-                           moved_mask, register_range)
+                           moved_mask, next_page, register_range)
+
+
+class _ConnectionLost(DaemonUnavailable):
+    """The connection dropped under a request: ``call`` reconnects and sends
+    it again (once), as the blocking client does."""
 
 
 class AsyncRegion(Region):
@@ -50,8 +63,9 @@ class AsyncRegion(Region):
         return (await self.client.call(protocol.Phase(region=self.id, phase=phase, blocks=_packed(blocks))))["blocks"]
 
     async def query(self, first: int = 0, count: int | None = None) -> np.ndarray:  # type: ignore[override]
-        r = await self.client.call(protocol.Query(region=self.id, first=first, count=count))
-        return np.frombuffer(r["tiers"], dtype=protocol.TIERS_DTYPE)
+        parts = [np.frombuffer(r["tiers"], dtype=protocol.TIERS_DTYPE)
+                 async for r in self.client.pages("query", region=self.id, first=first, count=count)]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     async def prefetch(self, blocks: Iterable[int] | np.ndarray | None = None, *, wait: bool = False,  # type: ignore[override]
                        timeout: float = 30.0) -> dict:
@@ -103,12 +117,22 @@ def _packed(blocks: Iterable[int] | np.ndarray | None) -> bytes | None:
 class AsyncClient:
     """One connection to kvtierd on the running event loop."""
 
-    def __init__(self, path: str | None = None, *, timeout: float = 10.0, hint_batch: int = 65536,
-                 hint_interval: float = 0.05, name: str = ""):
+    def __init__(self, path: str | None = None, *, timeout: float = 10.0, reconnect_timeout: float = 30.0,
+                 hint_batch: int = 65536, hint_interval: float = 0.05, hint_queue_max: int = 1 << 22,
+                 name: str = ""):
         self.path = path or os.environ.get(ENV_SOCKET) or protocol.DEFAULT_SOCKET
         self.timeout = timeout
+        self.reconnect_timeout = reconnect_timeout
         self.hint_batch = hint_batch
         self.hint_interval = hint_interval
+        self.hint_queue_max = hint_queue_max
+        self.hints_dropped = 0
+        self.reconnects = 0
+        self.connected_once = False  # reconnect_timeout applies only after a connection existed
+        self._held_hints: collections.deque[tuple[protocol.Hint, int]] = collections.deque()  # while disconnected
+        self._held_blocks = 0
+        self._connecting: asyncio.Lock | None = None
+        self._hint_reconnect: asyncio.Task | None = None
         self.name = name or f"python asyncio pid {os.getpid()}"
         self.server: dict = {}
         self.async_errors: list[KvtierClientError] = []  # answers to hints
@@ -131,23 +155,77 @@ class AsyncClient:
         self._lost = None
         self._reader_task = asyncio.get_running_loop().create_task(self._read_loop(reader))
         self.server = {}
-        self.server = await self.call(protocol.Hello(client=self.name))
+        self.server = await self._call_once(protocol.Hello(client=self.name))
+        self.connected_once = True
+        # A new connection executes the engine regions' moves from now on
+        # (the daemon dropped the moves pending on the old one).
         for r in list(self._regions.values()):
             if isinstance(r, AsyncEngineRegion) and not r.closed:
-                await self.call(protocol.Attach(region=r.id, tiers=r.tiers.astype(protocol.TIERS_DTYPE).tobytes()))
+                await self._call_once(protocol.Attach(region=r.id,
+                                                      tiers=r.tiers.astype(protocol.TIERS_DTYPE).tobytes()))
+        # Hints made while disconnected go first, in their order.
+        while self._held_hints and self._writer is not None:
+            req, n = self._held_hints.popleft()
+            self._held_blocks -= n
+            self._write(req, None)
         return self
 
+    async def _reconnect(self) -> None:
+        """Connect again after the daemon went away: one coroutine connects
+        (the others wait for it), retrying with backoff for up to
+        reconnect_timeout. Never having connected fails at once: that is a
+        daemon that is not there, not one restarting."""
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        async with self._connecting:
+            if self._writer is not None:
+                return  # another coroutine reconnected meanwhile
+            if not self.connected_once:
+                await self.connect()
+                return
+            deadline = time.monotonic() + self.reconnect_timeout
+            delay = 0.01
+            while True:
+                try:
+                    await self.connect()
+                    self.reconnects += 1
+                    return
+                except DaemonUnavailable:
+                    self._drop_connection()
+                    if time.monotonic() >= deadline:
+                        raise
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 0.5)
+
+    def _drop_connection(self, exc: BaseException | None = None) -> None:
+        """Close the current connection; the calls waiting on it fail with
+        ``exc`` (_ConnectionLost: they are sent again on the next one)."""
+        exc = exc or DaemonUnavailable(self.path, "connection closed")
+        self._lost = exc
+        for op, fut in self._waiting.values():
+            if fut is None:  # a hint in flight: advisory, reported, never retried
+                self.async_errors.append(KvtierClientError(op, protocol.E_UNAVAILABLE, "kvtierd closed the connection"))
+            elif not fut.done():
+                fut.set_exception(exc)
+        self._waiting.clear()
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+            self._reader_task = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
     async def close(self) -> None:
+        if self._hint_reconnect is not None:
+            self._hint_reconnect.cancel()
+            self._hint_reconnect = None
         if self._writer is not None:
             try:
                 await self.flush()
             except (KvtierClientError, OSError):
                 pass
-            self._writer.close()
-            self._writer = None
-        if self._reader_task is not None:
-            self._reader_task.cancel()
-            self._reader_task = None
+        self._drop_connection(DaemonUnavailable(self.path, "client closed"))
+        self.connected_once = False  # closed on purpose: no reconnecting
 
     async def __aenter__(self) -> "AsyncClient":
         return await self.connect()
@@ -173,20 +251,9 @@ class AsyncClient:
                 elif not fut.done():
                     fut.set_result(resp)
         except (asyncio.IncompleteReadError, ConnectionError) as e:
-            self._fail_all(DaemonUnavailable(self.path, f"connection lost: {e}"))
-        except asyncio.CancelledError:
-            self._fail_all(DaemonUnavailable(self.path, "client closed"))
-            raise
-
-    def _fail_all(self, exc: BaseException) -> None:
-        self._lost = exc
-        for op, fut in self._waiting.values():
-            if fut is not None and not fut.done():
-                fut.set_exception(exc)
-        self._waiting.clear()
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+            if self._reader_task is asyncio.current_task():  # not a connection dropped already
+                self._reader_task = None
+                self._drop_connection(_ConnectionLost(self.path, f"connection lost: {e}"))
 
     async def _serve(self, ev: protocol.Response) -> None:
         if ev.event != "move":
@@ -213,16 +280,46 @@ class AsyncClient:
         self._writer.write(protocol.encode_request(req))
 
     def _send_hint(self, req: protocol.Hint, nblocks: int) -> None:
-        """Region.flush's transport: written now, answer collected by the reader."""
-        try:
+        """Region.flush's transport: written now, answer collected by the
+        reader; while disconnected, held for the next connection."""
+        if self._writer is not None:
             self._write(req, None)
-        except DaemonUnavailable as e:
-            self.async_errors.append(e)  # hints are advisory: never raised to the engine
+            return
+        self._held_hints.append((req, nblocks))
+        self._held_blocks += nblocks
+        while self._held_blocks > self.hint_queue_max and len(self._held_hints) > 1:
+            _, n = self._held_hints.popleft()  # oldest first: hints age
+            self._held_blocks -= n
+            self.hints_dropped += n
+        if self.connected_once and (self._hint_reconnect is None or self._hint_reconnect.done()):
+            # One attempt, not waited for: hints never block the engine.
+            self._hint_reconnect = asyncio.get_running_loop().create_task(self._try_reconnect())
 
-    async def call(self, req: protocol.Request) -> Any:
+    async def _try_reconnect(self) -> None:
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        if self._connecting.locked():
+            return  # a call is reconnecting; it sends the held hints
+        async with self._connecting:
+            if self._writer is not None:
+                return
+            try:
+                await self.connect()
+                self.reconnects += 1
+            except DaemonUnavailable:
+                self._drop_connection()
+
+    async def _call_once(self, req: protocol.Request) -> Any:
+        """Send on the current connection and wait; _ConnectionLost if it drops."""
         fut = asyncio.get_running_loop().create_future()
         self._write(req, fut)
-        await self._writer.drain()
+        try:
+            await self._writer.drain()
+        except ConnectionError as e:
+            self._waiting.pop(req.id, None)
+            lost = _ConnectionLost(self.path, f"connection lost: {e}")
+            self._drop_connection(lost)
+            raise lost from None
         try:
             resp = await asyncio.wait_for(fut, self.timeout)
         except asyncio.TimeoutError:
@@ -233,6 +330,33 @@ class AsyncClient:
             e = resp.error
             raise KvtierClientError(req.__struct_config__.tag, e.code, e.message, e.errno, e.retry_after_ms)
         return resp.result
+
+    async def call(self, req: protocol.Request) -> Any:
+        """Send one request and wait for its answer; reconnect and send it
+        again once if the daemon went away (it may be restarting)."""
+        for attempt in (0, 1):
+            if self._writer is None:
+                await self._reconnect()
+            try:
+                return await self._call_once(req)
+            except _ConnectionLost:
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def pages(self, op: str, **fields: Any) -> AsyncIterator[dict]:
+        """Every answer of a paged op (see kvtier.client.Client.pages)."""
+        req: dict | None = fields
+        while req is not None:
+            r = await self.request(op, **req)
+            yield r
+            req = next_page(op, req, r)
+
+    async def regions(self, pid: int | None = None) -> AsyncIterator[dict]:
+        """The regions this caller may see, by ascending id, a page at a time."""
+        async for page in self.pages("regions", **({} if pid is None else {"pid": pid})):
+            for r in page["regions"]:
+                yield r
 
     async def request(self, op: str, **fields: Any) -> Any:
         try:

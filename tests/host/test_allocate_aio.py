@@ -107,3 +107,63 @@ def test_async_client_reports_a_missing_daemon(tmp_path):
             await AsyncClient(str(tmp_path / "none.sock"), timeout=2).connect()
 
     asyncio.run(main())
+
+
+def test_async_client_reconnects_when_the_daemon_restarts(workdir):
+    """Issue 14: like the blocking client, calls made while kvtierd is down
+    and calls waiting when it dies reconnect and are answered once it is
+    back; the region handle stays valid (re-adopted from the state file) and
+    hints made while it was down arrive. Before, every call after the
+    restart raised DaemonUnavailable until connect() was awaited again."""
+    import os
+    import signal
+
+    d = DaemonProc(workdir).start()
+    buf = mmap.mmap(-1, 4 * MIB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf.write(b"\1" * (4 * MIB))
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        kv = AsyncClient(d.sock)
+        await kv.connect()
+        r = await kv.register(buf, block_size=MIB, name="aio-restart")
+        assert (await r.query()).size == 4
+
+        # 1. Down before the call: hints are held, the call waits for it.
+        assert d.stop() == 0
+        await asyncio.sleep(0.2)  # the reader sees the connection end
+        r.hint([1, 1, 2])
+        r.flush()
+        restart = loop.run_in_executor(None, d.start)
+        tiers = await r.query()
+        await restart
+        assert tiers.size == 4 and kv.reconnects == 1
+        assert await kv.flush() == []
+        listed = {x["id"]: x async for x in kv.regions()}
+        assert listed[r.id]["block_hints"] == 3 and listed[r.id]["name"] == "aio-restart"
+
+        # 2. Dies under waiting calls (stopped, then kill -9): they are sent
+        # again on the new connection and answered.
+        os.kill(d.proc.pid, signal.SIGSTOP)
+        calls = [loop.create_task(kv.status()) for _ in range(10)] + [loop.create_task(r.query())]
+        await asyncio.sleep(0.2)
+        assert not any(c.done() for c in calls)
+        d.stop(signal.SIGKILL)
+        restart = loop.run_in_executor(None, d.start)
+        answers = await asyncio.gather(*calls)
+        await restart
+        assert all(a["server"] == "kvtierd" for a in answers[:10]) and answers[10].size == 4
+        assert kv.reconnects == 2
+        await r.unregister()
+        await kv.close()
+
+        # A client that never reached a daemon does not wait to reconnect.
+        assert d.stop() == 0
+        with pytest.raises(DaemonUnavailable):
+            await AsyncClient(d.sock).status()
+
+    try:
+        asyncio.run(main())
+    finally:
+        buf.close()
+        d.stop()
