@@ -58,6 +58,12 @@ int kvt_perf_open(unsigned int type, unsigned long long config,
                   int precise_ip, int exclude_kernel,
                   int pid, int cpu, unsigned long flags);
 int kvt_perf_attr_size(void);
+/* io_uring fixed buffers: the one way to make a long-term (FOLL_LONGTERM)
+   pin of ordinary memory without a GPU or an RDMA NIC. kvtier itself never
+   pins; tests use it to check how pinned KV pools are detected. */
+int kvt_io_uring_setup(unsigned int entries);
+long kvt_io_uring_register_buffers(int ring_fd, const struct iovec *iov, unsigned int n);
+long kvt_io_uring_unregister_buffers(int ring_fd);
 long kvt_cachestat_ranges(int fd, const unsigned long long *offs,
                           const unsigned long long *lens, size_t n,
                           unsigned long long *cache,
@@ -94,6 +100,7 @@ static const int KVT_HAS_PROCESS_MADVISE;
 static const int KVT_HAS_PIDFD_OPEN;
 static const int KVT_HAS_PERF_EVENT_OPEN;
 static const int KVT_HAS_MOVE_PAGES;
+static const int KVT_HAS_IO_URING;
 """
 
 SOURCE = r"""
@@ -109,6 +116,7 @@ SOURCE = r"""
 #include <numa.h>
 #include <numaif.h>
 #include <linux/perf_event.h>
+#include <linux/io_uring.h>
 
 #ifndef MADV_PAGEOUT
 #define MADV_PAGEOUT 21
@@ -139,6 +147,12 @@ static const int KVT_HAS_PERF_EVENT_OPEN = 0;
 static const int KVT_HAS_MOVE_PAGES = 1;
 #else
 static const int KVT_HAS_MOVE_PAGES = 0;
+#endif
+
+#if defined(SYS_io_uring_setup) && defined(SYS_io_uring_register)
+static const int KVT_HAS_IO_URING = 1;
+#else
+static const int KVT_HAS_IO_URING = 0;
 #endif
 
 static long kvt_enosys(void) { errno = ENOSYS; return -1; }
@@ -212,6 +226,36 @@ int kvt_perf_open(unsigned int type, unsigned long long config,
 }
 
 int kvt_perf_attr_size(void) { return (int)sizeof(struct perf_event_attr); }
+
+int kvt_io_uring_setup(unsigned int entries)
+{
+#if defined(SYS_io_uring_setup) && defined(SYS_io_uring_register)
+    struct io_uring_params p;
+    memset(&p, 0, sizeof(p));
+    /* The rings are never mmapped: only the registration is used. */
+    return (int)syscall(SYS_io_uring_setup, entries, &p);
+#else
+    return (int)kvt_enosys();
+#endif
+}
+
+long kvt_io_uring_register_buffers(int ring_fd, const struct iovec *iov, unsigned int n)
+{
+#if defined(SYS_io_uring_setup) && defined(SYS_io_uring_register)
+    return syscall(SYS_io_uring_register, ring_fd, IORING_REGISTER_BUFFERS, iov, n);
+#else
+    return kvt_enosys();
+#endif
+}
+
+long kvt_io_uring_unregister_buffers(int ring_fd)
+{
+#if defined(SYS_io_uring_setup) && defined(SYS_io_uring_register)
+    return syscall(SYS_io_uring_register, ring_fd, IORING_UNREGISTER_BUFFERS, NULL, 0);
+#else
+    return kvt_enosys();
+#endif
+}
 
 /* cachestat(2), Linux 6.5+. The number is the same on every architecture
  * kvtier builds for (new syscalls share one table since 5.1); glibc and the

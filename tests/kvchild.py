@@ -11,6 +11,8 @@ line, answering one line each:
     touch OFF LEN       read one byte per page of [OFF, OFF+LEN)
     write OFF LEN BYTE  fill [OFF, OFF+LEN) with BYTE
     mlock OFF LEN       mlock(2) [OFF, OFF+LEN) (munlock OFF LEN undoes it)
+    pin OFF LEN         pin [OFF, OFF+LEN) long-term as io_uring fixed buffers
+                        (FOLL_LONGTERM, as CUDA host memory); unpin drops them all
     share OFF LEN       fork a process that maps [OFF, OFF+LEN) too, until exit
     munmap OFF LEN      munmap(2) [OFF, OFF+LEN): the memory is freed under kvtier
     read OFF LEN        start reading [OFF, OFF+LEN) in a loop, a byte per page (a decoder)
@@ -64,6 +66,7 @@ def main() -> None:
         arr[off : off + n] = rng.integers(0, 256, n, dtype=np.uint8)
     page = os.sysconf("SC_PAGE_SIZE")
     sharers: list[int] = []  # pipe ends that keep forked sharers alive
+    rings: list[int] = []  # io_uring fds holding long-term pins
     print(f"ready {addr} {size}", flush=True)
     for line in sys.stdin:
         cmd = line.split()
@@ -86,6 +89,21 @@ def main() -> None:
             fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
             rc = fn(addr + off, ln)
             print("ok" if rc == 0 else f"error {os.strerror(ctypes.get_errno())}", flush=True)
+        elif cmd[0] == "pin":
+            from kvtier.kernel import native
+
+            off, ln = int(cmd[1]), int(cmd[2])
+            try:
+                rings.append(native.pin_longterm(native.iovecs(np.array([addr + off], dtype=np.uint64), ln)))
+                print("ok", flush=True)
+            except OSError as e:
+                print(f"error {e}", flush=True)
+        elif cmd[0] == "unpin":
+            from kvtier.kernel import native
+
+            while rings:
+                native.unpin_longterm(rings.pop())
+            print("ok", flush=True)
         elif cmd[0] == "share":
             # A forked process maps [OFF, OFF+LEN) too (copy-on-write, as a
             # forked worker would): MADV_PAGEOUT skips pages mapped twice.

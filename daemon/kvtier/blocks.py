@@ -21,7 +21,7 @@ TIER_UNKNOWN = -1
 TIER_MIXED = -2
 
 # flags bits
-F_UNMOVABLE = 1 << 0  # pages pinned (move_pages keeps failing with EBUSY...)
+F_UNMOVABLE = 1 << 0  # the kernel will not move its pages: why in ``stuck``
 F_KEEP_DRAM = 1 << 1  # region constraint: never demote out of tier 0
 F_NEVER_SWAP = 1 << 2  # region constraint: never page out to swap
 F_PREFILL_DONE = 1 << 3  # phase hint: block is read-only now, demotion candidate
@@ -30,6 +30,24 @@ F_NOT_PRESENT = 1 << 5  # no page of the block has been touched yet
 F_STALE = 1 << 6  # placement may have changed (hinted while not present, a move failed,
                   # the sample disagreed): measure the whole block soon
 F_ENGINE = 1 << 7  # the engine owns and moves it (mode "engine"): no pages to measure or migrate
+
+# Why a block is F_UNMOVABLE (field ``stuck``). Every reason but "declared"
+# is the kernel's answer to a move and is re-probed after
+# PolicyConfig.unmovable_reprobe_s (a pin can be dropped, a lock undone).
+STUCK_NONE = 0
+STUCK_LOCKED = 1  # pages in an mlock'ed mapping (VM_LOCKED): MADV_PAGEOUT refuses them (EINVAL)
+STUCK_PINNED = 2  # pages the kernel keeps refusing to migrate or page out while mapped by this
+                  # process alone and not locked: a long-term pin (CUDA host memory, RDMA, io_uring)
+STUCK_DECLARED = 3  # registered pinned=True: its engine pins it; never probed
+STUCK_FAILING = 4  # failed PolicyConfig.unmovable_after times in a row for other reasons
+STUCK_NAMES = ("none", "locked", "pinned", "declared", "failing")
+STUCK_TEXT = (
+    "",
+    "mlock'ed (VM_LOCKED): the kernel will not page it out",
+    "long-term pinned (the kernel keeps refusing to migrate or page out pages only this process maps)",
+    "its engine pins it (registered pinned=True)",
+    "its moves failed repeatedly",
+)
 
 FIELDS: dict[str, np.dtype] = {
     "region": np.dtype(np.int32),
@@ -48,6 +66,7 @@ FIELDS: dict[str, np.dtype] = {
     "retry_at": np.dtype(np.float64),
     "fail_count": np.dtype(np.uint16),
     "flags": np.dtype(np.uint8),
+    "stuck": np.dtype(np.uint8),
     "priority": np.dtype(np.int8),
     "tenant": np.dtype(np.int16),
 }
@@ -144,6 +163,7 @@ class BlockTable:
         a["fresh"][sl] = 0
         a["runs"][sl] = 0
         a["fail_count"][sl] = 0
+        a["stuck"][sl] = STUCK_NONE
         self.n += count
         self.slices[region] = s
         return s

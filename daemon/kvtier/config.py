@@ -276,6 +276,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("policy", "backoff_max_s", float, _P.backoff_max_s, "Longest retry delay.", 0),
     Option("policy", "unmovable_after", int, _P.unmovable_after,
            "Consecutive failed moves after which a block is marked unmovable.", 1, 1 << 20),
+    Option("policy", "unmovable_reprobe_s", float, _P.unmovable_reprobe_s,
+           "Seconds before a block the kernel would not move (locked, pinned, failing) is tried again.", 0),
     # -- topology (kvtier.kernel.topology.validate_overrides) -----------------
     Option("topology", "tiers", list, [],
            "Memory tiers in order, fastest first, replacing the discovered ones; empty = discover. "

@@ -63,6 +63,7 @@ def decode_blocks(r: dict) -> dict:
     """A ``blocks``/``query`` answer with its packed arrays as lists."""
     out = dict(r)
     for key, dt in (("tiers", protocol.TIERS_DTYPE), ("temps", protocol.TEMPS_DTYPE), ("flags", protocol.FLAGS_DTYPE),
+                    ("stuck", protocol.FLAGS_DTYPE),
                     ("last_access_age", protocol.TIMES_DTYPE)):
         if key in out:
             out[key] = np.frombuffer(out[key], dtype=dt).tolist()
@@ -179,8 +180,9 @@ def cmd_regions(c: Client, a) -> Paged:
 def _merge_blocks(pages: list[dict]) -> dict:
     """Pages of one ``blocks`` range as the single answer of that range."""
     out = {k: v for k, v in pages[0].items() if k != "next"}
-    for key in ("tiers", "temps", "flags", "last_access_age"):
-        out[key] = [v for p in pages for v in p[key]]
+    for key in ("tiers", "temps", "flags", "stuck", "last_access_age"):
+        if key in pages[0]:
+            out[key] = [v for p in pages for v in p[key]]
     out["count"] = sum(p["count"] for p in pages)
     return out
 
@@ -191,12 +193,17 @@ def cmd_blocks(c: Client, a) -> Paged:
 
     def rows(r: dict) -> list[tuple]:
         names = r["tier_names"]
+        # why an unmovable block is (a daemon without reasons sends none)
+        why_names, why = r.get("stuck_names", []), r.get("stuck", [0] * len(r["tiers"]))
         return [(r["first"] + i, tier_label(names, t), f"{temp:.3g}", flag_string(f),
-                 "never" if age == float("inf") else f"{age:.1f}s")
-                for i, (t, temp, f, age) in enumerate(zip(r["tiers"], r["temps"], r["flags"], r["last_access_age"]))]
+                 "never" if age == float("inf") else f"{age:.1f}s",
+                 why_names[w] if f & F_UNMOVABLE and 0 < w < len(why_names) else "-")
+                for i, (t, temp, f, age, w) in enumerate(zip(r["tiers"], r["temps"], r["flags"],
+                                                             r["last_access_age"], why))]
 
-    return Paged(("BLOCK", "TIER", "TEMP", "FLAGS", "LAST ACCESS"), pages, rows, _merge_blocks,
-                 "flags: U unmovable, D keep_dram, S never_swap, P prefill done, M pinned, - not touched")
+    return Paged(("BLOCK", "TIER", "TEMP", "FLAGS", "LAST ACCESS", "UNMOVABLE"), pages, rows, _merge_blocks,
+                 "flags: U unmovable, D keep_dram, S never_swap, P prefill done, M pinned, - not touched; "
+                 "UNMOVABLE: locked (mlock), pinned (long-term pin), declared (registered pinned), failing")
 
 
 def _block_ranges(ranges: list) -> str:

@@ -171,6 +171,7 @@ class MoveJob:
     ok: np.ndarray | None = None
     unmovable: np.ndarray | None = None
     untouched: np.ndarray | None = None  # no page written yet: nothing moved, never touched
+    reason: np.ndarray | None = None  # STUCK_* evidence per block (blocks.py)
     dry: np.ndarray | None = None  # planned moves a dry run did not make
     failures: collections.Counter = field(default_factory=collections.Counter)  # (src, dst, errno) -> pages
     measured_tier: np.ndarray | None = None  # failed moves, re-measured after the move (-1: not)
@@ -891,6 +892,7 @@ class Engine:
         job.ok = np.zeros(n, dtype=bool)
         job.unmovable = np.zeros(n, dtype=bool)
         job.untouched = np.zeros(n, dtype=bool)
+        job.reason = np.zeros(n, dtype=np.uint8)
         job.dry = np.zeros(n, dtype=bool)
         job.unmapped = np.zeros(n, dtype=bool)
         job.retry = np.zeros(n, dtype=bool)
@@ -951,6 +953,8 @@ class Engine:
             job.unmovable[sel] = res.block_unmovable
             if res.block_untouched is not None:
                 job.untouched[sel] = res.block_untouched
+            if getattr(res, "block_reason", None) is not None:
+                job.reason[sel] = res.block_reason
             done = getattr(res, "block_done", None)
             job.done_pages[sel] = done if done is not None else np.where(res.block_ok, pages_of[sel], 0)
             # A batch that failed only for passing reasons (a page under
@@ -1015,7 +1019,8 @@ class Engine:
             # touched, not in the tier it was sent to (and not a migration).
             unt = job.untouched[mv] if job.untouched is not None else np.zeros(mv.size, dtype=bool)
             dst = np.where(unt, np.int8(TIER_UNKNOWN), job.dst[mv]).astype(np.int8)
-            pol.record_results(t, rows[mv], job.ok[mv], job.unmovable[mv], now, self.policy_cfg, dst=dst)
+            pol.record_results(t, rows[mv], job.ok[mv], job.unmovable[mv], now, self.policy_cfg, dst=dst,
+                               reason=job.reason[mv])
             t.flags[rows[mv[unt]]] |= np.uint8(F_NOT_PRESENT)
             # A failed or partial move leaves pages wherever they are: the
             # mover measured them; what it could not measure is measured next.

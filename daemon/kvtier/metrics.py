@@ -46,7 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 from prometheus_client.exposition import MetricsHandler
 
 from kvtier import __version__, ages, protocol
-from kvtier.blocks import F_MANUAL_PIN, F_UNMOVABLE, TIER_MIXED, TIER_UNKNOWN, BlockTable
+from kvtier.blocks import F_MANUAL_PIN, F_UNMOVABLE, STUCK_NAMES, TIER_MIXED, TIER_UNKNOWN, BlockTable
 from kvtier.ports import TierInfo, TopologyView
 from kvtier.registry import Registry
 from kvtier.stats import MIGRATION_BUCKETS, TICK_BUCKETS, DaemonStats, Histogram, le_label
@@ -109,6 +109,9 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
                                 "Bytes of KV blocks by time since their last access (<1s ... >10m; never seen: >10m)."),
     "kvtier_block_temperature": ("gaugehistogram", (), "Blocks by current temperature (decayed access count)."),
     "kvtier_blocks_unmovable": ("gauge", (), "Blocks marked unmovable (pinned pages, repeated failures)."),
+    "kvtier_blocks_unmovable_by_reason": ("gauge", ("reason",),
+                                          "Unmovable blocks by why: locked (mlock), pinned (long-term pin), "
+                                          "declared (registered pinned), failing (repeated failures)."),
     "kvtier_blocks_pinned": ("gauge", (), "Blocks pinned to a tier by an operator."),
     "kvtier_migrated_blocks": ("counter", ("src", "dst"), "Blocks migrated, by source and destination tier."),
     "kvtier_migrated_bytes": ("counter", ("src", "dst"), "Bytes migrated, by source and destination tier."),
@@ -219,7 +222,7 @@ class Collector:
         """One consistent-length copy of the columns a scrape needs."""
         t = self.table
         cols = {name: np.array(getattr(t, name), copy=True)
-                for name in ("region", "tier", "nbytes", "temp", "tenant", "flags", "last_access")}
+                for name in ("region", "tier", "nbytes", "temp", "tenant", "flags", "last_access", "stuck")}
         n = min(len(c) for c in cols.values())
         return {k: v[:n] for k, v in cols.items()}
 
@@ -269,6 +272,12 @@ class Collector:
         flags = cols["flags"]
         yield GaugeMetricFamily("kvtier_blocks_unmovable", METRICS["kvtier_blocks_unmovable"][2],
                                 value=int(np.count_nonzero(flags & F_UNMOVABLE)))
+        why = _gauge("kvtier_blocks_unmovable_by_reason")
+        counts = np.bincount(cols["stuck"][(flags & F_UNMOVABLE) != 0], minlength=len(STUCK_NAMES))
+        for code, name in enumerate(STUCK_NAMES):
+            if code:  # every reason gets a sample, 0 included; "none" is not a reason
+                why.add_metric([name], int(counts[code]))
+        yield why
         yield GaugeMetricFamily("kvtier_blocks_pinned", METRICS["kvtier_blocks_pinned"][2],
                                 value=int(np.count_nonzero(flags & F_MANUAL_PIN)))
 

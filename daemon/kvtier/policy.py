@@ -86,6 +86,12 @@ from .blocks import (
     F_NOT_PRESENT,
     F_PREFILL_DONE,
     F_UNMOVABLE,
+    STUCK_DECLARED,
+    STUCK_NAMES,
+    STUCK_NONE,
+    STUCK_FAILING,
+    STUCK_PINNED,
+    STUCK_TEXT,
     TIER_UNKNOWN,
 )
 from .errors import ConfigError
@@ -187,6 +193,7 @@ class PolicyConfig:
     backoff_base_s: float = 1.0
     backoff_max_s: float = 300.0
     unmovable_after: int = 8  # consecutive failures before F_UNMOVABLE
+    unmovable_reprobe_s: float = 600.0  # an unmovable block is tried again after this long
 
     def __post_init__(self) -> None:
         if not 0.0 < self.low_wm <= self.high_wm:
@@ -478,9 +485,15 @@ class _Tick:
         nonswap = np.flatnonzero(~self.is_swap)
         self.slowest_mem = int(nonswap[-1]) if nonswap.size else T - 1
         self.known = (tier >= 0) & (tier < T)
-        unmovable = (flags & F_UNMOVABLE) != 0
         absent = (flags & F_NOT_PRESENT) != 0
         backoff = snap["retry_at"] > now
+        unmovable = (flags & F_UNMOVABLE) != 0
+        if "stuck" in snap:
+            # The kernel's refusal is re-probed once retry_at has passed
+            # (record_results sets it unmovable_reprobe_s ahead); a block its
+            # engine pins (declared) or marked without a reason never is.
+            why = snap["stuck"]
+            unmovable &= backoff | (why == STUCK_NONE) | (why == STUCK_DECLARED)
         self.actionable = self.known & ~unmovable & ~absent & ~backoff
         self.pinned = (flags & F_MANUAL_PIN) != 0
         recent = now - snap["last_move"] < cfg.min_residence_s
@@ -727,26 +740,34 @@ def record_results(
     now: float,
     cfg: PolicyConfig,
     dst: np.ndarray | None = None,
+    reason: np.ndarray | None = None,
 ) -> None:
     """Write the migrator's outcome back into a BlockTable (or snapshot dict).
 
     Moved rows get ``tier=dst`` (when given), ``last_move=now`` and their
     failure count cleared. Failed rows are retried after
     ``backoff_base_s * 2**(fail_count-1)`` (capped at ``backoff_max_s``); rows
-    the kernel reported pinned, or that failed ``unmovable_after`` times in a
-    row, get ``F_UNMOVABLE`` and are never planned again.
+    the kernel reported unmovable, or that failed ``unmovable_after`` times in
+    a row, get ``F_UNMOVABLE`` with the reason in ``stuck`` (``reason`` per row,
+    a STUCK_* code from the migrator's evidence; else pinned when the kernel
+    said unmovable, failing otherwise) and are not planned again for
+    ``unmovable_reprobe_s``. A row that moves loses F_UNMOVABLE.
     """
     rows = np.asarray(rows, dtype=np.int64)
     ok = np.asarray(ok_mask, dtype=bool)
     unmov = np.asarray(unmovable_mask, dtype=bool)
     tier, last_move = _field(table, "tier"), _field(table, "last_move")
     retry_at, fail_count, flags = _field(table, "retry_at"), _field(table, "fail_count"), _field(table, "flags")
+    why = _field(table, "stuck")
     good = rows[ok]
     if dst is not None:
         tier[good] = np.asarray(dst, dtype=np.int8)[ok]
     last_move[good] = now
     fail_count[good] = 0
     retry_at[good] = -np.inf
+    moved = good[why[good] != STUCK_DECLARED]
+    flags[moved] &= np.uint8(~F_UNMOVABLE & 0xFF)
+    why[moved] = STUCK_NONE
     bad = rows[~ok]
     if bad.size:
         fc = np.minimum(fail_count[bad].astype(np.int64) + 1, np.iinfo(np.uint16).max)
@@ -754,7 +775,15 @@ def record_results(
         delay = np.minimum(cfg.backoff_max_s, cfg.backoff_base_s * np.exp2(np.minimum(fc - 1, 62)))
         retry_at[bad] = now + delay
         stuck = unmov[~ok] | (fc >= cfg.unmovable_after)
-        flags[bad[stuck]] |= np.uint8(F_UNMOVABLE)
+        code = np.where(unmov[~ok], np.uint8(STUCK_PINNED), np.uint8(STUCK_FAILING))
+        if reason is not None:
+            r = np.asarray(reason, dtype=np.uint8)[~ok]
+            code = np.where(r != STUCK_NONE, r, code)
+        code = np.where(why[bad] == STUCK_DECLARED, np.uint8(STUCK_DECLARED), code)
+        hit = bad[stuck]
+        flags[hit] |= np.uint8(F_UNMOVABLE)
+        why[hit] = code[stuck]
+        retry_at[hit] = np.maximum(retry_at[hit], now + cfg.unmovable_reprobe_s)
 
 
 def _flag_names(f: int) -> list[str]:
@@ -794,7 +823,9 @@ def explain(
         f"temperature {float(snap['temp'][row]):.3g}, effective {eff:.3g}"
         + (f" (prefill done: x{cfg.prefill_done_factor})" if f & F_PREFILL_DONE else "")
         + f"; promote at >= {cfg.promote_temp}, cold below {cfg.demote_temp}",
-        "flags: " + (", ".join(_flag_names(f)) or "none"),
+        "flags: " + (", ".join(_flag_names(f)) or "none")
+        + (f" (unmovable: {STUCK_NAMES[int(snap['stuck'][row])]})"
+           if f & F_UNMOVABLE and "stuck" in snap and int(snap["stuck"][row]) != STUCK_NONE else ""),
     ]
     if 0 <= t < T:
         tgt = cfg.target_bytes(tiers[t])
@@ -828,6 +859,12 @@ def explain(
     elif code == S_BACKOFF:
         detail += (f" (failed {int(snap['fail_count'][row])} time(s), "
                    f"retry in {float(snap['retry_at'][row]) - now:.1f}s)")
+    elif code == S_UNMOVABLE:
+        why = int(snap["stuck"][row]) if "stuck" in snap else STUCK_NONE
+        if why != STUCK_NONE:
+            detail += f": {STUCK_NAMES[why]}, {STUCK_TEXT[why]}"
+            if why != STUCK_DECLARED:
+                detail += f"; tried again in {max(0.0, float(snap['retry_at'][row]) - now):.0f}s"
     elif code == S_PIN:
         pt = int(snap["pin_tier"][row])
         detail += f" to tier {pt if pt >= 0 else t}"

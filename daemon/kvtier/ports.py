@@ -66,6 +66,7 @@ class MoveOutcome(Protocol):
     block_unmovable: np.ndarray | None
     block_untouched: np.ndarray | None  # no page written yet: never touched, nothing moved
     block_done: np.ndarray | None  # pages that ended at the target, per block
+    block_reason: np.ndarray | None  # STUCK_* evidence per block, or None
     dry_run: bool
 
 

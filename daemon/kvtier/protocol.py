@@ -52,7 +52,8 @@ TIERS_DTYPE = np.dtype("i1")
 TEMPS_DTYPE = np.dtype("<f4")
 FLAGS_DTYPE = np.dtype("u1")
 TIMES_DTYPE = np.dtype("<f8")
-BLOCK_ANSWER_BYTES = TIERS_DTYPE.itemsize + TEMPS_DTYPE.itemsize + FLAGS_DTYPE.itemsize + TIMES_DTYPE.itemsize
+# tiers, temps, flags, stuck (a FLAGS_DTYPE byte each), last_access_age
+BLOCK_ANSWER_BYTES = TIERS_DTYPE.itemsize + TEMPS_DTYPE.itemsize + 2 * FLAGS_DTYPE.itemsize + TIMES_DTYPE.itemsize
 # query/blocks answers are pages of at most this many bytes of packed arrays
 # (and within max_message_bytes); ANSWER_OVERHEAD is kept for the map around
 # them (keys, tier names: at most 64 tiers of short names). One frame is the

@@ -32,6 +32,7 @@ from kvtier.blocks import (
     F_NOT_PRESENT,
     F_STALE,
     F_UNMOVABLE,
+    STUCK_DECLARED,
     BlockTable,
 )
 from kvtier.hotness import SOURCE_WEIGHTS, Temperature, apply_phase
@@ -265,6 +266,8 @@ class Registry:
         self.table.add_region(
             region_id, pid, start, length, block_size, flags=flags, priority=priority, tenant=tid
         )
+        if pinned:
+            self.table.region_view(region_id, "stuck")[:] = STUCK_DECLARED
         if engine:
             self.set_engine_tiers(region_id, engine_tiers)
         reg = Region(

@@ -35,7 +35,7 @@ import msgspec
 import numpy as np
 
 from kvtier import ages, logs, placement, protocol
-from kvtier.blocks import TIER_UNKNOWN
+from kvtier.blocks import STUCK_NAMES, TIER_UNKNOWN
 
 from kvtier.kernel import affinity, native, procfs
 from kvtier.errors import KvtierError, KvtierOSError, PermissionDenied, ProcessGone, os_error
@@ -575,6 +575,9 @@ class ControlAPI:
             "tiers": t.tier[sl].astype(protocol.TIERS_DTYPE).tobytes(),
             "temps": t.temp[sl].astype(protocol.TEMPS_DTYPE).tobytes(),
             "flags": t.flags[sl].astype(protocol.FLAGS_DTYPE).tobytes(),
+            # why an unmovable block is (blocks.STUCK_NAMES index; 0 = none)
+            "stuck": t.stuck[sl].astype(protocol.FLAGS_DTYPE).tobytes(),
+            "stuck_names": list(STUCK_NAMES),
             "last_access_age": (self.registry.clock() - t.last_access[sl]).astype(protocol.TIMES_DTYPE).tobytes(),
             "tier_names": self.engine.tier_names(),
         })

@@ -34,7 +34,7 @@ from kvtier.errors import ConfigError, KvtierError
 log = logging.getLogger("kvtier.watch")
 
 # Per-block state carried over when an adopted mapping changes length.
-KEPT_FIELDS = ("temp", "last_access", "tier", "flags", "last_move", "retry_at", "fail_count")
+KEPT_FIELDS = ("temp", "last_access", "tier", "flags", "last_move", "retry_at", "fail_count", "stuck")
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvtier import metrics
 
 from kvtier.kernel import topology
-from kvtier.blocks import F_UNMOVABLE, TIER_MIXED, BlockTable
+from kvtier.blocks import F_UNMOVABLE, STUCK_LOCKED, TIER_MIXED, BlockTable
 from kvtier.hotness import Temperature
 from kvtier.registry import Limits, Registry
 from kvtier.kernel.procmap import ProcProcesses
@@ -100,13 +100,17 @@ def test_migrations_failures_and_flags(daemon_state):
     stats.migrated_bytes[(0, 1)] += 6 * MIB
     stats.migrations[(1, 0)] += 1
     stats.migration_failed_pages[(0, 1, "EBUSY")] += 7
-    reg.table.flags[0] |= F_UNMOVABLE
+    reg.table.flags[0:2] |= F_UNMOVABLE
+    reg.table.stuck[0] = STUCK_LOCKED
     v = collect(stats, reg, topo).get_sample_value
     assert v("kvtier_migrated_blocks_total", {"src": "dram", "dst": "swap"}) == 3
     assert v("kvtier_migrated_blocks_total", {"src": "swap", "dst": "dram"}) == 1
     assert v("kvtier_migrated_bytes_total", {"src": "dram", "dst": "swap"}) == 6 * MIB
     assert v("kvtier_migration_failed_pages_total", {"src": "dram", "dst": "swap", "reason": "EBUSY"}) == 7
-    assert v("kvtier_blocks_unmovable") == 1
+    assert v("kvtier_blocks_unmovable") == 2
+    assert v("kvtier_blocks_unmovable_by_reason", {"reason": "locked"}) == 1
+    assert v("kvtier_blocks_unmovable_by_reason", {"reason": "pinned"}) == 0
+    assert v("kvtier_blocks_unmovable_by_reason", {"reason": "none"}) is None  # marked without a reason: total only
 
 
 def test_hint_hits_and_access_ratio(daemon_state):

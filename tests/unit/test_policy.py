@@ -8,6 +8,12 @@ from kvtier.blocks import (
     F_NOT_PRESENT,
     F_PREFILL_DONE,
     F_UNMOVABLE,
+    STUCK_DECLARED,
+    STUCK_FAILING,
+    STUCK_LOCKED,
+    STUCK_NONE,
+    STUCK_PINNED,
+    STUCK_TEXT,
     TIER_MIXED,
     TIER_UNKNOWN,
     BlockTable,
@@ -299,8 +305,10 @@ def test_failed_moves_backoff_and_are_not_retried_before_retry_at():
     record_results(t, p.rows, [False], [False], 11.0, c, dst=p.dst)
     assert t.retry_at[0] == 13.0  # 2 s: doubled
     record_results(t, p.rows, [False], [False], 13.0, c, dst=p.dst)
-    assert t.flags[0] & F_UNMOVABLE  # third failure in a row
-    assert len(plan(t.snapshot(), tiers(100), c, PolicyState(), 1e6)[0]) == 0
+    assert t.flags[0] & F_UNMOVABLE and t.stuck[0] == STUCK_FAILING  # third failure in a row
+    # Not planned again until the re-probe, far beyond the backoff.
+    assert len(plan(t.snapshot(), tiers(100), c, PolicyState(), 13.0 + c.unmovable_reprobe_s - 1)[0]) == 0
+    assert plan(t.snapshot(), tiers(100), c, PolicyState(), 13.0 + c.unmovable_reprobe_s)[0].rows.tolist() == [0]
 
 
 def test_kernel_reported_unmovable_is_marked_at_once():
@@ -308,7 +316,33 @@ def test_kernel_reported_unmovable_is_marked_at_once():
     c = cfg()
     record_results(t, np.array([0, 1]), [False, True], [True, False], 5.0, c, dst=np.array([0, 0]))
     assert t.flags[0] & F_UNMOVABLE and not t.flags[1] & F_UNMOVABLE
+    assert t.stuck[0] == STUCK_PINNED and t.stuck[1] == STUCK_NONE
     assert t.last_move[1] == 5.0 and t.tier[1] == 0
+
+
+def test_unmovable_reason_from_the_migrator_and_reprobe():
+    """Kills: record_results ignoring the migrator's reason (every block
+    "pinned"), F_UNMOVABLE kept after a successful re-probe, a declared pin
+    re-probed, evidence alone (no kernel refusal) marking a block at once."""
+    t = make_table(4, tier=1, temp=10.0)
+    t.stuck[3] = STUCK_DECLARED
+    t.flags[3] |= F_UNMOVABLE
+    c = cfg(unmovable_after=2, unmovable_reprobe_s=100.0)
+    rows = np.arange(3)
+    reason = np.array([STUCK_LOCKED, STUCK_PINNED, STUCK_NONE], dtype=np.uint8)
+    record_results(t, rows, [False] * 3, [True, False, False], 0.0, c, dst=np.zeros(3), reason=reason)
+    assert t.stuck.tolist() == [STUCK_LOCKED, STUCK_NONE, STUCK_NONE, STUCK_DECLARED]
+    assert (t.flags[:3] & F_UNMOVABLE).tolist() == [F_UNMOVABLE, 0, 0]
+    record_results(t, rows[1:], [False] * 2, [False] * 2, 1.0, c, dst=np.zeros(2), reason=reason[1:])
+    assert t.stuck.tolist() == [STUCK_LOCKED, STUCK_PINNED, STUCK_FAILING, STUCK_DECLARED]
+    assert t.retry_at[0] == 100.0 and t.retry_at[1] == 101.0
+    p, _ = plan(t.snapshot(), tiers(100), c, PolicyState(), 101.0)
+    assert p.rows.tolist() == [0, 1, 2]  # the declared pin never comes back
+    assert p.stay[3] == S_UNMOVABLE
+    record_results(t, p.rows, [True] * 3, [False] * 3, 101.0, c, dst=p.dst)
+    assert not (t.flags[:3] & F_UNMOVABLE).any() and not t.stuck[:3].any()
+    assert t.flags[3] & F_UNMOVABLE and t.stuck[3] == STUCK_DECLARED
+    assert "long-term pinned" in STUCK_TEXT[STUCK_PINNED]
 
 
 def test_min_residence_time():

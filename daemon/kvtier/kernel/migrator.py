@@ -22,9 +22,21 @@ Kernel behaviour this module relies on (measured, see DESIGN.md):
   (cachestat, lseek) instead, for the pages that are not mapped.
 - A transparent huge page reports -EBUSY once yet is migrated; re-querying
   resolves it. A page that stays -EBUSY is pinned (long-term GUP: CUDA host
-  registrations, RDMA) and is reported as unmovable.
+  registrations, RDMA) and is reported as unmovable. A page whose migration
+  the kernel tried and gave up on (a long-term pin's extra reference) gets
+  no status at all: move_pages returns how many pages did not move and
+  writes no status for that batch (native.move_pages reports them -EBUSY);
+  re-querying tells which moved.
 - MADV_PAGEOUT skips pages mapped by more than one process and pinned pages;
-  what really went to swap is read back from pagemap.
+  what really went to swap is read back from pagemap. It refuses an mlock'ed
+  mapping (VM_LOCKED) with EINVAL for the whole call, so locked ranges
+  (smaps VmFlags "lo") are left out of the call and reported LOCKED.
+- No /proc file shows a long-term pin (kpageflags has no such bit, and
+  kpagecount is the mapcount, not the pin count). What the kernel's answers
+  do show: a page left present after two pageout rounds, mapped by this
+  process alone (pagemap's exclusive bit) and not locked, is pinned or was
+  read at that moment. Such blocks carry STUCK_PINNED as evidence; the
+  policy marks them unmovable only after repeated failures.
 """
 
 from __future__ import annotations
@@ -39,10 +51,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvtier.blocks import STUCK_LOCKED, STUCK_NONE, STUCK_PINNED
 from kvtier.kernel import native
 from kvtier.errors import InvalidArgument, os_error
 from kvtier.kernel import procmap, shmem
-from kvtier.kernel.procfs import PM_PRESENT, PM_SWAP, Pagemap
+from kvtier.kernel.procfs import PM_EXCLUSIVE, PM_PRESENT, PM_SWAP, Pagemap, read_locked_ranges
 
 # Pages per move_pages call: large enough that syscall overhead vanishes,
 # small enough that one call does not hold the target's mmap lock for long.
@@ -159,7 +172,7 @@ class MoveResult:
     done: int  # pages that ended where asked
     errors: dict[str, int] = field(default_factory=dict)  # pages by errno name
     block_ok: np.ndarray | None = None  # (blocks,) every present page ended at the target
-    block_unmovable: np.ndarray | None = None  # (blocks,) some page stayed pinned/busy
+    block_unmovable: np.ndarray | None = None  # (blocks,) the kernel will not move it (pinned, locked)
     seconds: float = 0.0
     dry_run: bool = False
     page_size: int = native.PAGE_SIZE
@@ -167,6 +180,8 @@ class MoveResult:
     # not where it was sent (ok all the same: never a failure)
     block_untouched: np.ndarray | None = None
     block_done: np.ndarray | None = None  # (blocks,) pages that ended where asked
+    # (blocks,) uint8 STUCK_* evidence of why a block did not move (blocks.py)
+    block_reason: np.ndarray | None = None
 
     @property
     def bytes_done(self) -> int:
@@ -406,6 +421,7 @@ class Migrator:
         bad_page = ~ok_page
         block_ok = layout.per_block(bad_page) == 0
         block_unmovable = layout.per_block(status == _EBUSY) > 0
+        reason = np.where(block_unmovable, np.uint8(STUCK_PINNED), np.uint8(STUCK_NONE))
         errors = _count_errors(status[bad_page & (status < 0)])
         wrong_node = bad_page & (status >= 0)
         if wrong_node.any():
@@ -421,7 +437,7 @@ class Migrator:
         return MoveResult(
             op, target, len(layout.addrs), int(done_page.sum()), errors, block_ok, block_unmovable,
             time.monotonic() - t0, page_size=self.page_size, block_untouched=untouched,
-            block_done=layout.per_block(done_page),
+            block_done=layout.per_block(done_page), block_reason=reason,
         )
 
     def _iov(self, layout: PageLayout) -> np.ndarray:
@@ -441,10 +457,16 @@ class Migrator:
         if not native.HAS_PROCESS_MADVISE:
             raise os_error(errno.ENOSYS, "process_madvise", "not supported by these kernel headers")
         self.check_mapped(pid, layout)
+        locked = self._locked_pages(pid, layout)
         pidfd = native.pidfd_open(pid)
         try:
-            native.process_madvise(pidfd, self._iov(layout), native.MADV_PAGEOUT, f"pageout pid={pid}")
+            if not locked.any():
+                native.process_madvise(pidfd, self._iov(layout), native.MADV_PAGEOUT, f"pageout pid={pid}")
+            elif not locked.all():
+                native.process_madvise(pidfd, native.iovecs(*self._page_runs(layout.addrs[~locked])),
+                                       native.MADV_PAGEOUT, f"pageout pid={pid}")
             stuck = self._stuck_pages(pid, layout)
+            stuck = stuck[~locked[stuck]]
             if len(stuck):
                 # Pages still in a CPU's LRU add batch are not on the LRU yet,
                 # so MADV_PAGEOUT cannot isolate them and skips them, and
@@ -463,7 +485,15 @@ class Migrator:
                                            native.MADV_PAGEOUT, f"pageout retry pid={pid}")
         finally:
             os.close(pidfd)
-        return self._swap_result("pageout", layout, pid, t0)
+        return self._swap_result("pageout", layout, pid, t0, locked)
+
+    def _locked_pages(self, pid: int, layout: PageLayout) -> np.ndarray:
+        """Per page: inside an mlock'ed mapping (one status read when the
+        process locks nothing)."""
+        locked = np.zeros(len(layout.addrs), dtype=bool)
+        for lo, hi in read_locked_ranges(pid, self.proc_root):
+            locked |= (layout.addrs >= np.uint64(lo)) & (layout.addrs < np.uint64(hi))
+        return locked
 
     def _stuck_pages(self, pid: int, layout: PageLayout, pm: np.ndarray | None = None) -> np.ndarray:
         """Indices of the layout's pages still present and not in swap; the
@@ -484,7 +514,7 @@ class Migrator:
         npages = np.diff(np.concatenate((first, [len(addrs)])))
         return addrs[first], npages.astype(np.uint64) * ps
 
-    def _swap_result(self, op: str, layout: PageLayout, pid: int, t0: float) -> MoveResult:
+    def _swap_result(self, op: str, layout: PageLayout, pid: int, t0: float, locked: np.ndarray) -> MoveResult:
         pm = self._pagemap(pid, layout)
         swapped = (pm & PM_SWAP) != 0
         present = (pm & PM_PRESENT) != 0
@@ -495,19 +525,28 @@ class Migrator:
         # Shared memory in swap has no swap PTE: its object counts it.
         shm = shmem.shared_pages(pid, layout, present | swapped, self.proc_root, self.page_size)
         errors = {"NOT_PAGED_OUT": int(stuck.sum())} if stuck.any() else {}
-        block_ok = layout.per_block(stuck) == 0
-        # Skipped pages are not evidence of pinning: a page being read at that
+        if locked.any():
+            errors["LOCKED"] = int(locked.sum())
+        block_ok = layout.per_block(stuck | locked) == 0
+        # Skipped pages are not proof of pinning: a page being read at that
         # moment, or still under writeback, is skipped too and pages out on a
         # later try. So a failed pageout is a retryable failure (the policy backs
         # off and marks a block unmovable only after repeated failures), never
-        # "unmovable" at once: that froze hot blocks out of DRAM for good.
-        # Present pages that are not stuck are the zero page: never written.
-        untouched = layout.per_block(stuck | swapped | shm.data | shm.unknown) == 0
+        # "unmovable" at once: that froze hot blocks out of DRAM for good. Its
+        # pages being this process's alone (not the shared-page skip) and not
+        # locked is the evidence that names the reason when it comes to that.
+        alone = stuck & ((pm & PM_EXCLUSIVE) != 0)
+        block_locked = layout.per_block(locked) > 0
+        reason = np.where(layout.per_block(alone) > 0, np.uint8(STUCK_PINNED), np.uint8(STUCK_NONE))
+        reason[block_locked] = STUCK_LOCKED
+        # Present pages that are not stuck (nor locked) are the zero page:
+        # never written.
+        untouched = layout.per_block(stuck | locked | swapped | shm.data | shm.unknown) == 0
+        # A locked mapping is refused for certain, every time: unmovable now.
         return MoveResult(
             op, "swap", len(layout.addrs), int(swapped.sum() + shm.swapped.sum()), errors, block_ok,
-            np.zeros(len(block_ok), dtype=bool),
-            time.monotonic() - t0, page_size=self.page_size, block_untouched=untouched,
-            block_done=layout.per_block(swapped) + shm.swapped,
+            block_locked, time.monotonic() - t0, page_size=self.page_size, block_untouched=untouched,
+            block_done=layout.per_block(swapped) + shm.swapped, block_reason=reason,
         )
 
     @_locked

@@ -9,6 +9,7 @@ GIL for the duration of each call.
 
 from __future__ import annotations
 
+import errno
 import os
 from typing import Iterable
 
@@ -24,6 +25,7 @@ HAS_PROCESS_MADVISE = bool(lib.KVT_HAS_PROCESS_MADVISE)
 HAS_PIDFD_OPEN = bool(lib.KVT_HAS_PIDFD_OPEN)
 HAS_PERF_EVENT_OPEN = bool(lib.KVT_HAS_PERF_EVENT_OPEN)
 HAS_MOVE_PAGES = bool(lib.KVT_HAS_MOVE_PAGES)
+HAS_IO_URING = bool(lib.KVT_HAS_IO_URING)
 
 MPOL_MF_MOVE = lib.MPOL_MF_MOVE
 MPOL_MF_MOVE_ALL = lib.MPOL_MF_MOVE_ALL
@@ -91,6 +93,10 @@ def numa_node_size(node: int) -> tuple[int, int]:
     return int(total), int(free[0])
 
 
+# No status the kernel writes (nodes are >= 0, errors -1..-4095).
+_STATUS_UNSET = np.iinfo(np.int32).min
+
+
 def move_pages(
     pid: int,
     addrs: np.ndarray,
@@ -122,11 +128,19 @@ def move_pages(
         nodes_arr = np.ascontiguousarray(nodes, dtype=np.int32)
         what = "to per-page nodes"
     nodes_ptr = ffi.NULL if nodes_arr is None else ffi.cast("int *", ffi.from_buffer(nodes_arr))
+    if nodes_arr is not None:
+        status[:] = _STATUS_UNSET
     rc = lib.kvt_move_pages(
         pid, n, _ptr_array(addrs), nodes_ptr, ffi.cast("int *", ffi.from_buffer(status)), flags
     )
     if rc < 0:
         raise os_error(_errno(), f"move_pages(pid={pid}, {n} pages, {what})")
+    if rc > 0:
+        # rc pages were not migrated (the kernel retried and gave up: a page
+        # with extra references, i.e. pinned or under I/O), and the kernel
+        # wrote no status for the batch they were in, not even for the pages
+        # of it that did move. Report them busy; the caller re-queries.
+        status[status == _STATUS_UNSET] = -errno.EBUSY
     return status
 
 
@@ -339,3 +353,36 @@ def swap_of_ranges(fd: int, offsets: np.ndarray, lengths: np.ndarray, proc_root:
         return swap
     finally:
         lib.kvt_unmap(base, total[0])
+
+
+def pin_longterm(iov: np.ndarray) -> int:
+    """Pin ranges of this process long-term: io_uring fixed buffers.
+
+    IORING_REGISTER_BUFFERS pins every page with FOLL_PIN | FOLL_LONGTERM,
+    the pin CUDA host registrations and RDMA memory regions take, so
+    migration and reclaim must leave the pages alone (pages in ZONE_MOVABLE
+    are migrated out first). Returns the ring fd; ``unpin_longterm`` drops
+    the pins. kvtier never pins KV memory: this is how its tests make a
+    real long-term pin without a GPU. Each range must be at most 1 GiB.
+    """
+    if not HAS_IO_URING:
+        raise os_error(errno.ENOSYS, "io_uring_setup", "not supported by these kernel headers")
+    fd = lib.kvt_io_uring_setup(1)
+    if fd < 0:
+        raise os_error(_errno(), "io_uring_setup(1)")
+    rc = lib.kvt_io_uring_register_buffers(fd, ffi.cast("struct iovec *", ffi.from_buffer(iov)), len(iov))
+    if rc < 0:
+        err = _errno()
+        os.close(fd)
+        raise os_error(err, f"io_uring_register(IORING_REGISTER_BUFFERS, {len(iov)} ranges)")
+    return int(fd)
+
+
+def unpin_longterm(fd: int) -> None:
+    """Drop the pins of ``pin_longterm`` now (closing the ring alone defers
+    the unpin to a kernel worker) and close the ring."""
+    try:
+        if lib.kvt_io_uring_unregister_buffers(fd) < 0:
+            raise os_error(_errno(), "io_uring_register(IORING_UNREGISTER_BUFFERS)")
+    finally:
+        os.close(fd)

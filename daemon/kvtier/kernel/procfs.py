@@ -22,6 +22,7 @@ PROC_STATUS = "status"
 PROC_PAGEMAP = "pagemap"
 PROC_CLEAR_REFS = "clear_refs"
 PROC_CGROUP = "cgroup"
+PROC_SMAPS = "smaps"
 
 # /proc/PID/pagemap entry bits (Documentation/admin-guide/mm/pagemap.rst)
 PM_PFN_MASK = np.uint64((1 << 55) - 1)
@@ -135,6 +136,33 @@ def check_range(maps: list[Mapping], start: int, length: int, *, kv_only: bool =
         if pos >= end:
             return
     raise RangeNotMapped(f"range 0x{start:x}+{length} is not mapped (gap at 0x{pos:x})")
+
+
+def read_locked_ranges(pid: int, proc_root: str = "/proc") -> list[tuple[int, int]]:
+    """[start, end) of every mlock'ed mapping (VM_LOCKED: smaps VmFlags "lo").
+
+    MADV_PAGEOUT refuses a locked mapping with EINVAL (can_madv_lru_vma), for
+    the whole call. smaps makes the kernel walk every page of every mapping,
+    so it is read only when /proc/PID/status says the process has locked
+    memory at all (VmLck counts VM_LOCKED mappings' size, faulted or not).
+    """
+    status = _read_text(proc_root, pid, PROC_STATUS)
+    vmlck = next((line.split()[1] for line in status.splitlines() if line.startswith("VmLck:")), "0")
+    if int(vmlck) == 0:
+        return []
+    out: list[tuple[int, int]] = []
+    start = end = 0
+    for line in _read_text(proc_root, pid, PROC_SMAPS).splitlines():
+        head = line.split(None, 1)[0] if line else ""
+        if "-" in head and not head.endswith(":"):
+            lo, _, hi = head.partition("-")
+            try:
+                start, end = int(lo, 16), int(hi, 16)
+            except ValueError:
+                continue
+        elif head == "VmFlags:" and "lo" in line.split()[1:]:
+            out.append((start, end))
+    return out
 
 
 def read_start_time(pid: int, proc_root: str = "/proc") -> int:
