@@ -157,6 +157,54 @@ class _Reader(threading.Thread):
             self.passes += 1
 
 
+def wait_writeback_done(limit_s: float = 20.0) -> None:
+    import time
+
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        with open("/proc/meminfo") as f:
+            wb = next(int(line.split()[1]) for line in f if line.startswith("Writeback:"))
+        if wb == 0:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"swap writeback still running after {limit_s} s")
+
+
+def page_out(child: KVChild) -> None:
+    """Page the child's whole pool out so that reading it back is a major fault.
+
+    One MADV_PAGEOUT of dirty anonymous pages only starts their writeback:
+    the pages stay in the swap cache (SwapCached grows by the pool size on
+    this host) and reading them is a minor fault. Reading them back maps the
+    now clean swap-cache pages again, and a second MADV_PAGEOUT drops those
+    at once, with no I/O, leaving only the copy on swap. Pages still under
+    writeback at the second pass would stay cached, so it waits for the
+    writeback to end first; and folios whose writeback just ended sit in a
+    per-CPU LRU batch holding a reference (without a drain the last dozen
+    pages stayed cached every time; with it, now and then a few still do),
+    so the batches are drained first: migrate_pages(2) drains every CPU's
+    batches, and with the same source and destination node it moves nothing.
+    Needs root (process_madvise of another process) and a swap device.
+    """
+    from kvtier.kernel import native
+    from kvtier.kernel.procfs import PM_SWAP, Pagemap
+
+    P = native.PAGE_SIZE
+    pidfd = native.pidfd_open(child.pid)
+    try:
+        iov = native.iovecs(np.array([child.addr], dtype=np.uint64), child.size)
+        native.process_madvise(pidfd, iov, native.MADV_PAGEOUT)
+        wait_writeback_done()
+        assert child.ask(f"touch 0 {child.size}").startswith("ok")
+        native.migrate_pages(child.pid, [0], [0])
+        native.process_madvise(pidfd, iov, native.MADV_PAGEOUT)
+    finally:
+        os.close(pidfd)
+    with Pagemap(child.pid) as pm:
+        e = pm.read(child.addr, child.size // P, P)
+    assert ((e & PM_SWAP) != 0).all(), "pool not fully paged out"
+
+
 class KVChild:
     """Host-side handle: starts kvchild.py and talks to it."""
 

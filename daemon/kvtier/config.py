@@ -314,6 +314,9 @@ OPTIONS: tuple[Option, ...] = (
            choices=("auto", *ACCESS_BIT_MODES)),
     Option("hotness.perf_fault", "enabled", bool, _SOURCE_ON["perf_fault"],
            "perf samples of major faults (swap-ins): which blocks are read back from swap."),
+    Option("hotness.perf_fault", "prefetch_blocks", int, _kw_default(MajorFaultSource, "prefetch_blocks"),
+           "On a major fault in a block, page in this many following blocks of its region that are in swap, "
+           "ahead of a sequential reader (0 = none).", 0, 1 << 16),
     _ring_pages("hotness.perf_fault", MajorFaultSource),
     Option("hotness.perf", "enabled", bool, _SOURCE_ON["perf"],
            "PEBS/IBS load-address samples where the CPU has them."),

@@ -1401,8 +1401,28 @@ class Engine:
             unsure = r[((t.flags[r] & np.uint8(F_NOT_PRESENT)) != 0) | (t.tier[r] < 0)]
             t.flags[unsure] |= np.uint8(F_STALE)
             self._dirty = True
+            if obs.prefetch.size:
+                pf = obs.prefetch if job.generation == self.registry.generation else \
+                    t.rows_of(*_keys_of(job.slices, obs.prefetch))
+                self._prefetch_swapped(pf[(pf >= 0) & (pf < len(t))])
         for source in job.sources:
             self._pace(source, job.cost.get(source.name, (0.0, None)), now)
+
+    def _prefetch_swapped(self, rows: np.ndarray) -> None:
+        """A source expects these blocks to be read soon (perf_fault: the
+        blocks after one that took major faults): those in swap are paged in
+        now, as a prefetch (to tier 0, paid from the promotion tokens), so
+        a sequential reader finds them in DRAM instead of faulting on each."""
+        swap = self.topology.swap_tier
+        if swap is None or rows.size == 0:
+            return
+        t = self.table
+        rows = rows[(t.tier[rows] == swap.index) & ((t.flags[rows] & np.uint8(F_UNMOVABLE | F_ENGINE)) == 0)]
+        moving = self.mover.job
+        if moving is not None and rows.size:  # already on their way in
+            rows = rows[~np.isin(rows, t.rows_of(moving.region, moving.index))]
+        if rows.size:
+            self.stats.fault_prefetch_blocks_total += self.schedule(rows, "prefetch")["queued"]
 
     def _pace(self, source, cost: tuple[float, float | None], now: float) -> None:
         """Per-source cost control: share of one core = (CPU in collect +

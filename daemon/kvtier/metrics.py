@@ -123,6 +123,8 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
                                       "picks the block)."),
     "kvtier_dry_run_planned_bytes": ("counter", ("src", "dst"), "Bytes of those planned moves."),
     "kvtier_migration_duration_seconds": ("histogram", (), "Wall time of one migration job (a plan's moves)."),
+    "kvtier_fault_prefetch_blocks": ("counter", (), "Blocks in swap paged in ahead of a reader: the "
+                                     "hotness.perf_fault.prefetch_blocks after one that took major faults."),
     "kvtier_prefetch_duration_seconds": ("histogram", (), "Time from a prefetch request to the block being in tier 0."),
     "kvtier_release_duration_seconds": ("histogram", (), "Time from a release request to the block being one tier down."),
     "kvtier_tick_duration_seconds": ("histogram", (), "Wall time of one policy tick (snapshot, plan, act)."),
@@ -363,6 +365,8 @@ class Collector:
             dbytes.add_metric(labels, s.dry_run_bytes.get((src, dst), 0))
         yield from (dblocks, dbytes)
         yield _histogram("kvtier_migration_duration_seconds", s.migration_seconds_hist)
+        yield CounterMetricFamily("kvtier_fault_prefetch_blocks", METRICS["kvtier_fault_prefetch_blocks"][2],
+                                  value=s.fault_prefetch_blocks_total)
         yield _histogram("kvtier_prefetch_duration_seconds", s.prefetch_seconds_hist)
         yield _histogram("kvtier_release_duration_seconds", s.release_seconds_hist)
 

@@ -133,6 +133,7 @@ class DaemonStats:
     engine_moves_sent_total: int = 0
     engine_moves_dropped_total: int = 0
     engine_move_seconds_hist: Histogram = field(default_factory=lambda: Histogram(MIGRATION_BUCKETS))
+    fault_prefetch_blocks_total: int = 0  # blocks paged in ahead of a reader (perf_fault prefetch_blocks)
     config_reloads_total: int = 0
     config_reload_errors_total: int = 0
 

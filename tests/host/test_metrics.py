@@ -27,7 +27,7 @@ import pytest
 import waiting
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvchild import KVChild
+from kvchild import KVChild, page_out
 from kvtierd import acting
 from kvtier import top
 from kvtier.client import Client, KvtierClientError
@@ -211,13 +211,19 @@ def test_partly_failed_pageout_does_not_evict_a_hot_block(kvtierd):
 def test_perf_fault_samples_and_source_events_are_scraped(kvtierd):
     """The major-fault source in the real daemon: a pool the test put in
     swap (twice paged out, so no page is left in the swap cache, see
-    test_perf_host.page_out) is registered, its owner reads four blocks back,
-    and the scrape counts their major faults as perf_fault samples."""
-    from test_perf_host import majflt, page_out
+    kvchild.page_out) is registered, its owner reads four blocks back,
+    and the scrape counts their major faults as perf_fault samples; the
+    four blocks after them (hotness.perf_fault.prefetch_blocks, default 4),
+    never read, are paged in ahead of the reader."""
+    from test_perf_host import majflt
 
+    kvtierd.conf.write_text(kvtierd.conf.read_text().replace(f'"0" = {DRAM_BUDGET}', f'"0" = {4 * POOL}'))
+    reload(kvtierd, 1)  # room in DRAM: nothing is paged out again
     with KVChild(POOL) as child, Client(kvtierd.socket, name="test_perf_events") as kv:
         page_out(child)
         region = kv.register(addr=child.addr, length=POOL, block_size=BLOCK, name="pool", pid=child.pid)
+        kv.request("measure", region=region.id, blocks=None)
+        wait_for(lambda: list(region.query()) == [1] * 16, "the pool measured in swap")
         # Two collects after the registration: the source follows its threads.
         n = kv.status()["engine"]["sources"]["perf_fault"]["collects"]
         wait_for(lambda: kv.status()["engine"]["sources"]["perf_fault"]["collects"] >= n + 2, "two collects")
@@ -235,6 +241,9 @@ def test_perf_fault_samples_and_source_events_are_scraped(kvtierd):
         assert m.value("kvtier_source_events_total", source="perf_fault", event="lost") == 0
         assert m.value("kvtier_source_events_total", source="perf_fault", event="unmatched") == 0
         assert m.value("kvtier_source_events_total", source="damon", event="sysfs_busy_retries") == 0
+        wait_for(lambda: list(region.query()[8:12]) == [0] * 4, "blocks 8-11 paged in ahead")
+        assert scrape(kvtierd.url).value("kvtier_fault_prefetch_blocks_total") >= 4
+        assert list(region.query()[12:]) == [1] * 4
 
 
 def swapped_kib(pid: int) -> int:

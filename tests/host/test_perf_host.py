@@ -11,15 +11,12 @@ documented blind spot of fault sampling, not what is being tested here.
 from __future__ import annotations
 
 import os
-import time
 
-import numpy as np
 import pytest
 
-from kvchild import KVChild
+from kvchild import KVChild, page_out
 from kvtier.kernel import native
 from kvtier.blocks import BlockTable
-from kvtier.kernel.procfs import PM_SWAP, Pagemap
 from kvtier.kernel.sources.perf import LoadSampleSource, MajorFaultSource
 
 pytestmark = pytest.mark.root
@@ -39,47 +36,6 @@ def no_swap_readahead():
         f.write(old)
 
 
-def wait_writeback_done(limit_s: float = 20.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        with open("/proc/meminfo") as f:
-            wb = next(int(line.split()[1]) for line in f if line.startswith("Writeback:"))
-        if wb == 0:
-            return
-        time.sleep(0.01)
-    pytest.fail(f"swap writeback still running after {limit_s} s")
-
-
-def page_out(child: KVChild) -> None:
-    """Page the child's whole pool out so that reading it back is a major fault.
-
-    One MADV_PAGEOUT of dirty anonymous pages only starts their writeback:
-    the pages stay in the swap cache (SwapCached grows by the pool size on
-    this host) and reading them is a minor fault. Reading them back maps the
-    now clean swap-cache pages again, and a second MADV_PAGEOUT drops those
-    at once, with no I/O, leaving only the copy on swap. Pages still under
-    writeback at the second pass would stay cached, so it waits for the
-    writeback to end first; and folios whose writeback just ended sit in a
-    per-CPU LRU batch holding a reference (without a drain the last dozen
-    pages stayed cached every time; with it, now and then a few still do),
-    so the batches are drained first: migrate_pages(2) drains every CPU's
-    batches, and with the same source and destination node it moves nothing.
-    """
-    pidfd = native.pidfd_open(child.pid)
-    try:
-        iov = native.iovecs(np.array([child.addr], dtype=np.uint64), child.size)
-        native.process_madvise(pidfd, iov, native.MADV_PAGEOUT)
-        wait_writeback_done()
-        assert child.ask(f"touch 0 {child.size}").startswith("ok")
-        native.migrate_pages(child.pid, [0], [0])
-        native.process_madvise(pidfd, iov, native.MADV_PAGEOUT)
-    finally:
-        os.close(pidfd)
-    with Pagemap(child.pid) as pm:
-        e = pm.read(child.addr, child.size // P, P)
-    assert ((e & PM_SWAP) != 0).all(), "pool not fully paged out"
-
-
 def majflt(pid: int) -> int:
     """The kernel's own count of the process's major faults (/proc/PID/stat field 12)."""
     with open(f"/proc/{pid}/stat") as f:
@@ -92,7 +48,7 @@ def test_major_faults_report_exactly_the_touched_blocks(swapfile, no_swap_readah
     with KVChild(n * block) as c:
         t = BlockTable()
         t.add_region(7, c.pid, c.addr, n * block, block)
-        src = MajorFaultSource()
+        src = MajorFaultSource(prefetch_blocks=2)
         av = src.probe()
         assert av.ok, av.reason
         src.set_targets(t)
@@ -113,6 +69,8 @@ def test_major_faults_report_exactly_the_touched_blocks(swapfile, no_swap_readah
     # may still sit in the swap cache (see page_out) and fault minor.
     assert obs.counts.sum() == faults
     assert (obs.counts > 32).all()
+    # The next two blocks of each, inside the region, not already faulting.
+    assert obs.prefetch.tolist() == [2, 3, 7, 8, 14]
 
 
 def test_ring_wraps_around_on_the_real_kernel(swapfile, no_swap_readahead):
@@ -122,7 +80,7 @@ def test_ring_wraps_around_on_the_real_kernel(swapfile, no_swap_readahead):
     with KVChild(n * P) as c:
         t = BlockTable()
         t.add_region(1, c.pid, c.addr, n * P, P)  # one page per block
-        src = MajorFaultSource(ring_pages=1)
+        src = MajorFaultSource(ring_pages=1, prefetch_blocks=0)
         assert src.probe().ok
         src.set_targets(t)
         try:

@@ -574,3 +574,24 @@ def test_operator_retries_are_bounded_and_the_last_attempt_is_reported(rig):
     assert rep["failed_pages"] == {"NOT_PAGED_OUT": 4} and rep["pages_moved"] == 8 * PPB - 4
     assert [op for op, _ in r.kernel.calls].count("pageout") == OPERATOR_ATTEMPTS
     assert r.engine.tickets == {} and r.engine.manual == []
+
+
+def test_fault_prefetch_pages_in_the_swapped_blocks_ahead(rig):
+    """Kills: `_finish_collect` ignoring an observation's prefetch rows (the
+    blocks after one that took major faults stay in swap until the reader
+    faults on each of them), or prefetching blocks that are not in swap."""
+    r = rig(8, capacity={DRAM: 64 * BLOCK})  # the policy itself moves nothing
+    r.settle()
+    rows = r.rows()
+    r.engine.request_move(np.arange(rows.start + 2, rows.stop), SWAP_TIER)
+    r.tick()
+    assert r.tiers() == [DRAM] * 2 + [SWAP_TIER] * 6
+    r.kernel.calls.clear()
+    # a fault in block 2; the source names blocks 3, 4 (in swap) and 1 (in DRAM)
+    r.source.queue.append(Observation("fake", np.array([rows.start + 2]), np.array([1.0], dtype=np.float32), 1.0,
+                                      np.array([rows.start + 1, rows.start + 3, rows.start + 4])))
+    r.tick(2)
+    assert ("pagein", [3, 4]) in r.kernel.calls
+    assert r.tiers() == [DRAM] * 2 + [SWAP_TIER] + [DRAM] * 2 + [SWAP_TIER] * 3
+    assert (r.kernel.where(3) == 0).all() and (r.kernel.where(5) == SWAP).all()
+    assert r.stats.fault_prefetch_blocks_total == 2

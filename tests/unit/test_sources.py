@@ -50,6 +50,14 @@ def test_index_ranges_merge_adjacent_and_align():
     assert BlockIndex(t).ranges(2).shape == (0, 2)
 
 
+def test_index_neighbours_stay_inside_the_region():
+    t = table_of((1, 1, 0x10000, 4 * P, P), (2, 1, 0x10000 + 4 * P, 4 * P, P))  # adjacent regions
+    idx = BlockIndex(t)
+    assert idx.neighbours(np.array([2]), 3).tolist() == [3]  # region 1 ends at row 3
+    assert idx.neighbours(np.array([4, 5]), 2).tolist() == [6, 7]
+    assert idx.neighbours(np.array([], dtype=np.int64), 2).tolist() == []
+
+
 def test_observation_drops_zero_counts():
     class S(Source):
         name = "x"

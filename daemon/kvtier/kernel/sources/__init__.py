@@ -6,7 +6,7 @@ and serves in its status: which source runs, and why each other one does not.
 
     [hotness.damon]        enabled, sample_us, aggr_us, update_us, min_nr_regions, max_nr_regions
     [hotness.access_bits]  enabled, mode ("auto" | "page_idle" | "kpageflags")
-    [hotness.perf_fault]   enabled, ring_pages
+    [hotness.perf_fault]   enabled, prefetch_blocks, ring_pages
     [hotness.perf]         enabled, sample_period, ring_pages   (PEBS/IBS loads)
 
 Client hints need no source object: the server hands them straight to
@@ -32,7 +32,7 @@ __all__ = [
 SECTIONS: dict[str, tuple[tuple[str, ...], bool]] = {
     "damon": (("sample_us", "aggr_us", "update_us", "min_nr_regions", "max_nr_regions"), True),
     "access_bits": (("mode",), True),
-    "perf_fault": (("ring_pages",), True),
+    "perf_fault": (("prefetch_blocks", "ring_pages"), True),
     "perf": (("sample_period", "ring_pages"), True),
 }
 

@@ -52,13 +52,17 @@ class Observation:
     ``counts`` are in the source's own unit (DAMON: accessed samples per
     aggregation interval; access bits: fraction of the block's pages
     referenced; perf: samples), ``weight`` converts them to the common
-    temperature scale (hotness.SOURCE_WEIGHTS).
+    temperature scale (hotness.SOURCE_WEIGHTS). ``prefetch`` lists rows the
+    source expects to be touched soon without having seen it (perf: the
+    blocks after a faulting one); the engine pages those in swap in at once
+    (Engine._prefetch_swapped).
     """
 
     source: str
     rows: np.ndarray = field(default_factory=lambda: _EMPTY_ROWS)  # int64 BlockTable rows
     counts: np.ndarray = field(default_factory=lambda: _EMPTY_COUNTS)  # float32, > 0
     weight: float = 1.0
+    prefetch: np.ndarray = field(default_factory=lambda: _EMPTY_ROWS)  # int64 rows
 
     def __len__(self) -> int:
         return int(self.rows.size)
@@ -82,20 +86,21 @@ class Source(abc.ABC):
     def close(self) -> None:  # noqa: B027 - most sources hold nothing
         pass
 
+    def empty(self) -> Observation:
+        return Observation(self.name, weight=self.weight)
+
     def events(self) -> dict[str, int]:
         """Running totals of what the source ran into (exported as
         kvtier_source_events_total); read from the metrics thread."""
         return {}
 
-    def empty(self) -> Observation:
-        return Observation(self.name, weight=self.weight)
-
-    def observation(self, rows: np.ndarray, counts: np.ndarray) -> Observation:
+    def observation(self, rows: np.ndarray, counts: np.ndarray, prefetch: np.ndarray | None = None) -> Observation:
         """Drop zero counts (they would still bump last_access) and package."""
         rows = np.asarray(rows, dtype=np.int64)
         counts = np.asarray(counts, dtype=np.float32)
         keep = counts > 0
-        return Observation(self.name, rows[keep], counts[keep], self.weight)
+        pf = _EMPTY_ROWS if prefetch is None else np.asarray(prefetch, dtype=np.int64)
+        return Observation(self.name, rows[keep], counts[keep], self.weight, pf)
 
 
 class BlockIndex:
@@ -168,6 +173,28 @@ class BlockIndex:
         kc = np.clip(k, 0, rows.size - 1)
         inside = (k >= 0) & (a < e[kc])
         return np.where(inside, rows[kc], -1)
+
+    def neighbours(self, rows: np.ndarray, k: int) -> np.ndarray:
+        """The up-to-``k`` blocks after each given row in the same region (a
+        sequential reader's next blocks), excluding the given rows themselves."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.size == 0 or k <= 0:
+            return _EMPTY_ROWS
+        if self.rows.size == 0:
+            return _EMPTY_ROWS
+        # position of each table row in the index (-1: not indexed)
+        pos = np.full(max(int(self.rows.max()), int(rows.max())) + 1, -1, dtype=np.int64)
+        pos[self.rows] = np.arange(self.rows.size)
+        rows = rows[pos[rows] >= 0]
+        p = pos[rows][:, None] + np.arange(1, k + 1)[None, :]
+        p = p.ravel()
+        ok = p < self.rows.size
+        p = p[ok]
+        # Same region and contiguous with the faulting block's region.
+        base = np.repeat(pos[rows], k)[ok]
+        ok = self.region[p] == self.region[base]
+        out = np.unique(self.rows[p[ok]])
+        return np.setdiff1d(out, rows, assume_unique=False)
 
     def mean_over_blocks(
         self, pid: int, seg_start: np.ndarray, seg_end: np.ndarray, value: np.ndarray

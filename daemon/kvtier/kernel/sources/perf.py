@@ -6,8 +6,11 @@ Two sources share one ring-buffer reader:
   processes (PERF_TYPE_SOFTWARE / PERF_COUNT_SW_PAGE_FAULTS_MAJ,
   sample_period 1, PERF_SAMPLE_TID|TIME|ADDR). For an anonymous KV pool a
   major fault is a swapped-out block being read again: the block is reported
-  hot (the policy then pages it in like any hot block below DRAM). Works
-  without a hardware PMU. Swap readahead hides some faults: pages the
+  hot, and the next ``prefetch_blocks`` blocks of its region that are in
+  swap are paged in ahead of the reader (an engine walking a sequence's
+  blocks reads them in order; docs/benchmarks.md, "Prefetch on major
+  faults").
+  Works without a hardware PMU. Swap readahead hides some faults: pages the
   kernel read ahead come back through minor faults, which are not sampled.
 - ``LoadSampleSource`` samples retired loads with their data address where
   the CPU has a precise PMU: Intel PEBS (MEM_INST_RETIRED.ALL_LOADS, raw
@@ -293,7 +296,10 @@ class _PerfSampler(Source):
         if rows.size == 0:
             return self.empty()
         uniq, counts = np.unique(rows, return_counts=True)
-        return self.observation(uniq, counts.astype(np.float32))
+        return self.observation(uniq, counts.astype(np.float32), self.prefetch_for(uniq))
+
+    def prefetch_for(self, rows: np.ndarray) -> np.ndarray | None:
+        return None
 
     def events(self) -> dict[str, int]:
         return {"samples": self.samples, "lost": self.lost, "unmatched": self.unmatched}
@@ -308,9 +314,18 @@ class MajorFaultSource(_PerfSampler):
     name = "perf_fault"
     event = PerfEvent(native.PERF_TYPE_SOFTWARE, native.PERF_COUNT_SW_PAGE_FAULTS_MAJ, 1)
 
+    def __init__(self, sys_root: str = "/sys", proc_root: str = "/proc", *, prefetch_blocks: int = 4, **kw):
+        super().__init__(sys_root, proc_root, **kw)
+        self.prefetch_blocks = prefetch_blocks
+
     def probe(self) -> Availability:
         bad = self._try_self(self.event)
         return bad or Availability(True, "software major-fault samples with addresses")
+
+    def prefetch_for(self, rows: np.ndarray) -> np.ndarray | None:
+        if self.index is None or self.prefetch_blocks <= 0:
+            return None
+        return self.index.neighbours(rows, self.prefetch_blocks)
 
 
 class LoadSampleSource(_PerfSampler):
