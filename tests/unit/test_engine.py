@@ -595,3 +595,26 @@ def test_fault_prefetch_pages_in_the_swapped_blocks_ahead(rig):
     assert r.tiers()[3:] == [DRAM] * 2 + [SWAP_TIER] * 3  # (block 2 itself is the policy's to decide)
     assert (r.kernel.where(3) == 0).all() and (r.kernel.where(5) == SWAP).all()
     assert r.stats.fault_prefetch_blocks_total == 2
+
+
+def test_sources_replaced_by_a_reload_wait_for_the_collect_in_flight(rig):
+    """Kills: `set_sources` swapping (and closing) the sources while the
+    collector thread still runs one of them, or keeping the old source's
+    pace for a new object of the same name."""
+    r = rig(4)
+    r.settle()
+    old = r.source
+    closed = []
+    old.close = lambda: closed.append("old")
+    old.hold = threading.Event()
+    r.tick_until(lambda: r.engine.collector.busy)
+    r.engine.pace["fake"].slowdown = 8
+    new = FakeSource()
+    r.engine.set_sources([new], {"fake": Availability(True)})
+    assert closed == [] and r.engine.sources == [old]  # the collect in flight owns the old one
+    old.hold.set()
+    new.queue.append(Observation("fake", np.array([r.rows().start + 1]), np.array([4.0], dtype=np.float32), 1.0))
+    r.tick(3)
+    assert closed == ["old"] and r.engine.sources == [new] and new.targets >= 1
+    assert r.engine.pace["fake"].slowdown == 1
+    assert r.table.temp[r.rows()][1] > 0
