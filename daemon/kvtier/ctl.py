@@ -108,6 +108,14 @@ def cmd_status(c: Client, a) -> tuple[Any, str]:
         f"{human(s['registered_bytes'])} registered; {s['connections']} client connections",
         f"tiers: {', '.join(e['tiers']) or 'none'}; migration running: {'yes' if e['job_running'] else 'no'}",
     ]
+    if e.get("dry_run"):
+        planned = e.get("dry_run_planned", {})
+
+        def moves(key: str) -> str:
+            return ", ".join(f"{p['src']} -> {p['dst']} {p['blocks']} blocks ({human(p['bytes'])})"
+                             for p in planned.get(key, [])) or "nothing"
+        lines.append(f"dry run, no page moved: the last plan would move {moves('last_plan')}; "
+                     f"planned since start {moves('total')}")
     lines += [f"warning: {w}" for w in e.get("warnings", [])]
     return s, "\n".join(lines)
 

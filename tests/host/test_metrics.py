@@ -17,6 +17,7 @@ import io
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 import urllib.request
@@ -283,6 +284,9 @@ def test_dry_run_moves_nothing_and_says_what_it_would_move(kvtierd_dry):
         assert engine["dry_run"] is True
         last = {(p["src"], p["dst"]): p for p in engine["dry_run_planned"]["last_plan"]}
         assert 0 < last[("dram", "swap")]["blocks"] <= 13, engine["dry_run_planned"]
+        out = subprocess.run([sys.executable, "-m", "kvtier.ctl", "status", "--socket", kvtierd_dry.socket],
+                             capture_output=True, text=True, check=True).stdout
+        assert re.search(r"dry run, no page moved: the last plan would move dram -> swap \d+ blocks", out), out
         assert child.checksum() == before
     assert "(dry run)" in kvtierd_dry.log.read_text()
 
