@@ -88,7 +88,7 @@ class AsyncRegion(Region):
     async def unregister(self) -> None:  # type: ignore[override]
         if self.closed:
             return
-        self._blocks, self._counts, self._pending = [], [], 0
+        self._drop_pending()
         await self.client.call(protocol.Unregister(region=self.id))
         self.closed = True
         self._keepalive = None

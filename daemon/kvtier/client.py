@@ -44,6 +44,9 @@ ENV_SOCKET = "KVTIER_SOCKET"
 # Unanswered pipelined requests before the client stops to read answers, so
 # neither side's socket buffer fills up while the other waits.
 MAX_IN_FLIGHT = 64
+MAX_CLOCK_STRIDE = 16  # hint calls between clock reads, at most (Region.hint): bounds how late a batch
+# goes out when the engine suddenly hints far less often
+_BLOCKS_DTYPE = np.dtype(protocol.BLOCKS_DTYPE)  # numpy's built-in dtypes are singletons: ``is`` compares
 
 
 class KvtierClientError(Exception):
@@ -172,9 +175,25 @@ class Region:
         self.start = start
         self.length = length
         self._keepalive = keepalive  # the buffer must outlive the registration
-        self._blocks: list[np.ndarray] = []
-        self._counts: list[np.ndarray | None] = []  # None: one access each
+        # Pending hints as bytes, one item per hint call (counts beside them
+        # only once some hint of the batch had counts). The engine's call
+        # then costs one tobytes() copy and a list append: the least code a
+        # safe copy can run, which is what counts when the call comes
+        # between decode steps with cold caches (scripts/bench/hint_cost.py).
+        # Bytes are not tracked by the garbage collector.
+        self._parts: list[bytes] = []
+        self._cparts: list[bytes | None] | None = None  # None: one access each
         self._pending = 0
+        self._first_pending = 0.0
+        # The clock is read every ``_stride`` calls, not every call: in a VM
+        # whose clocksource is not the TSC (HPET under QEMU TCG), a
+        # time.monotonic() is a system call costing as much as the rest of
+        # the hint. The stride doubles while that many calls span under
+        # 1/16 of hint_interval and halves when they span over 1/4 of it, so a
+        # batch is late by at most about a quarter interval at a steady rate.
+        self._stride = 1
+        self._until_clock = 0  # calls left before the next clock read
+        self._clock_at = 0.0  # when the clock was last read
         self._first_pending = 0.0
         self.closed = False
         self.memory: PoolMemory | None = None  # set by Client.allocate
@@ -203,36 +222,70 @@ class Region:
 
     def hint(self, blocks: Iterable[int] | np.ndarray, counts: Iterable[int] | np.ndarray | None = None) -> None:
         """Record accesses to blocks; sent once ``hint_batch`` block hints are
-        pending or the oldest is ``hint_interval`` seconds old."""
-        # The engine calls this every decode step: a copy into the batch and a
-        # clock read, nothing else (no counts array when counts is None).
-        b = np.array(blocks, dtype=protocol.BLOCKS_DTYPE).ravel()
-        if not b.size:
-            return
-        c = None
-        if counts is not None:
-            c = np.array(counts, dtype=protocol.COUNTS_DTYPE).ravel()
-            if c.size != b.size:
-                raise ValueError(f"{c.size} counts for {b.size} blocks")
-        now = time.monotonic()
-        if not self._pending:
-            self._first_pending = now
-        self._blocks.append(b)
-        self._counts.append(c)
-        self._pending += b.size
+        pending or the oldest is ``hint_interval`` seconds old. The blocks are
+        copied at once (the caller may reuse its array); a 1-D array of
+        ``protocol.BLOCKS_DTYPE`` (uint32) is the cheapest to pass."""
+        if counts is None and self._cparts is None and type(blocks) is np.ndarray \
+                and blocks.dtype is _BLOCKS_DTYPE and blocks.ndim == 1:
+            k = blocks.shape[0]
+            if not k:
+                return
+            self._parts.append(blocks.tobytes())
+        else:
+            b = np.asarray(blocks, dtype=_BLOCKS_DTYPE).ravel()
+            k = b.size
+            if not k:
+                return
+            if counts is not None:
+                c = np.asarray(counts, dtype=protocol.COUNTS_DTYPE).ravel()
+                if c.size != k:
+                    raise ValueError(f"{c.size} counts for {k} blocks")
+                if self._cparts is None:
+                    self._cparts = [None] * len(self._parts)
+                self._cparts.append(c.tobytes())
+            elif self._cparts is not None:
+                self._cparts.append(None)
+            self._parts.append(b.tobytes())
+        n = self._pending
+        self._pending = n + k
         cl = self.client
-        if self._pending >= cl.hint_batch or now - self._first_pending >= cl.hint_interval:
+        if n + k >= cl.hint_batch:
+            self.flush()
+            return
+        if n and self._until_clock > 1:
+            self._until_clock -= 1
+            return
+        self._clock(n, cl.hint_interval)
+
+    def _clock(self, n: int, interval: float) -> None:
+        """The clock read of ``hint``: start the batch's age, adapt the stride,
+        send a batch that is ``interval`` old."""
+        now = time.monotonic()
+        if not n:
+            self._first_pending = now
+        else:
+            span = now - self._clock_at
+            if span < interval / 16 and self._stride < MAX_CLOCK_STRIDE:
+                self._stride *= 2
+            elif span > interval / 4:
+                self._stride = 1  # slower at once: the next batch must not wait for 16 slow calls
+        self._clock_at = now
+        self._until_clock = self._stride
+        if now - self._first_pending >= interval:
             self.flush()
 
-    def _take(self) -> tuple[np.ndarray, np.ndarray | None]:
-        """The pending hints as one array of blocks and of counts (None: all 1)."""
-        bs, cs = self._blocks, self._counts
-        self._blocks, self._counts, self._pending = [], [], 0
-        b = bs[0] if len(bs) == 1 else np.concatenate(bs)
-        if all(c is None for c in cs):
+    def _drop_pending(self) -> None:
+        self._parts, self._cparts, self._pending = [], None, 0
+
+    def _take(self) -> tuple[bytes, bytes | None]:
+        """The pending hints as packed blocks and counts (None: all 1)."""
+        parts, cparts = self._parts, self._cparts
+        self._drop_pending()
+        b = parts[0] if len(parts) == 1 else b"".join(parts)
+        if cparts is None:
             return b, None
-        c = np.concatenate([np.ones(x.size, dtype=protocol.COUNTS_DTYPE) if y is None else y for x, y in zip(bs, cs)])
-        return b, c
+        ones = lambda nbytes: np.ones(nbytes // 4, dtype=protocol.COUNTS_DTYPE).tobytes()  # noqa: E731
+        return b, b"".join(ones(len(p)) if cp is None else cp for p, cp in zip(parts, cparts))
 
     def flush(self) -> None:
         """Send the pending hints now (without waiting for the daemon)."""
@@ -240,14 +293,16 @@ class Region:
             return
         b, c = self._take()
         # Stay under the daemon's frame limit: 8 bytes per entry (index +
-        # count) plus a little for the map around them.
+        # count) plus a little for the map around them. Packed bytes are
+        # cut as they are: 4 bytes per entry in both.
         limit = self.client.server.get("max_message_bytes", protocol.DEFAULT_MAX_MESSAGE)
-        step = max(1, (limit - 256) // 8)
-        for i in range(0, b.size, step):
+        step = 4 * max(1, (limit - 256) // 8)
+        for i in range(0, len(b), step):
             cb = b[i : i + step]
             cc = None if c is None else c[i : i + step]
-            counts = None if cc is None or bool((cc == 1).all()) else cc.tobytes()  # absent = 1 each
-            self.client._send_hint(protocol.Hint(region=self.id, blocks=cb.tobytes(), counts=counts), int(cb.size))
+            if cc is not None and bool((np.frombuffer(cc, dtype=protocol.COUNTS_DTYPE) == 1).all()):
+                cc = None  # absent = 1 each
+            self.client._send_hint(protocol.Hint(region=self.id, blocks=cb, counts=cc), len(cb) // 4)
 
     def phase(self, phase: str, blocks: Iterable[int] | np.ndarray | None = None) -> int:
         """"prefill_done" (blocks now read-only: demotion candidates), "active"
@@ -301,7 +356,7 @@ class Region:
     def unregister(self) -> None:
         if self.closed:
             return
-        self._blocks, self._counts, self._pending = [], [], 0
+        self._drop_pending()
         self.client.call(protocol.Unregister(region=self.id))
         self.closed = True
         self._keepalive = None

@@ -374,6 +374,86 @@ def test_client_splits_hint_batches_above_the_frame_limit(workdir):
         assert d.stop() == 0
 
 
+def test_hint_batches_copy_at_once_and_mix_counts(daemon):
+    """The client's pending-hint array: a caller that reuses its array right
+    after hint() must not change what is sent; lists, 2-D arrays, counted and
+    uncounted hints share one batch; the batch grows past its first 1024."""
+    import mmap as _mmap
+
+    import numpy as np
+
+    c = daemon.client(hint_batch=1 << 20, hint_interval=3600)
+    buf = _mmap.mmap(-1, 4096 * 4096)
+    r = c.register(buf, block_size=4096)
+    ids = np.array([1, 2])
+    r.hint(ids)
+    ids[:] = 7  # reused by the engine for its next step: block 7 was never hinted
+    r.hint([3])
+    r.hint(np.array([[4], [5]]))
+    r.hint([6], counts=[5])
+    r.hint(np.arange(100, 2100))  # past the first 1024 entries, after counts appeared
+    assert c.stats()["block_hints_total"] == 0  # all still pending
+    assert c.flush() == []
+    assert c.stats()["block_hints_total"] == 2 + 1 + 2 + 1 + 2000
+    temps = protocol.unpack(c.request("blocks", region=r.id)["temps"], protocol.TEMPS_DTYPE, "temps")
+    assert temps[7] == 0 and temps[0] == 0 and temps[2100] == 0
+    assert np.allclose(temps[[2, 3, 4, 5]], temps[1], rtol=1e-3) and temps[1] > 0
+    assert temps[6] / temps[1] == pytest.approx(5, rel=1e-3)
+    assert (temps[100:2100] > 0).all()
+    r.unregister()
+    c.close()
+
+
+def test_hint_batches_leave_on_time_with_few_clock_reads(daemon, monkeypatch):
+    """The client reads the clock every few hint calls, not every call (a
+    clock read is a system call in some VMs): at a steady rate a batch still
+    leaves within a quarter interval of hint_interval, and when the engine
+    suddenly hints far less often the next batch is not held back for long."""
+    import mmap as _mmap
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from kvtier import client as client_mod
+
+    now, reads = [0.0], [0]
+
+    def monotonic():
+        reads[0] += 1
+        return now[0]
+
+    c = daemon.client(hint_batch=1 << 20, hint_interval=0.2)
+    buf = _mmap.mmap(-1, 64 << 12)
+    r = c.register(buf, block_size=4096)
+    ids = np.arange(4, dtype=np.uint32)
+    monkeypatch.setattr(client_mod, "time", SimpleNamespace(monotonic=monotonic, sleep=time.sleep))
+
+    def run(calls: int, step: float) -> list[float]:
+        """Fake time at which each batch left, relative to its first hint."""
+        ages, first = [], None
+        for _ in range(calls):
+            if first is None:
+                first = now[0]
+            r.hint(ids)
+            if r._pending == 0:
+                ages.append(now[0] - first)
+                first = None
+            now[0] += step
+        return ages
+
+    ages = run(2000, 0.001)  # a decode step every millisecond
+    assert len(ages) >= 9 and max(ages) <= 0.2 + 0.05
+    assert reads[0] <= 2000 / 4  # the point: most calls read no clock
+    reads[0] = 0
+    ages = run(100, 0.1)  # then a hint every 100 ms
+    assert max(ages) <= 0.2 + 0.1 * client_mod.MAX_CLOCK_STRIDE
+    assert sorted(ages)[len(ages) // 2] <= 0.2 + 0.1  # after the first slow batch: every call reads the clock
+    assert c.flush() == []
+    assert c.stats()["block_hints_total"] == 4 * 2100
+    r.unregister()
+    c.close()
+
+
 def test_limits_give_clear_errors(workdir):
     d = DaemonProc(workdir, extra_config="""
         [limits]
