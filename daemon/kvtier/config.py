@@ -330,6 +330,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("metrics", "port", int, _M.port, "TCP port (0 = any free port).", 0, 65535),
     Option("metrics", "per_region", bool, _M.per_region,
            "Per-region series (regions x tiers of them); off keeps the per-tenant ones."),
+    Option("metrics", "summary_pass_s", float, _M.summary_pass_s,
+           "Seconds for one pass of the block-table sums metrics read (refreshed a slice per tick; "
+           "a scrape's cost then does not grow with blocks).", 1.0, 86400.0),
     # -- record (kvtier.record: replay with kvtier-sim) ------------------------
     Option("record", "enabled", bool, False,
            "Record registrations, hints, source observations and placements for kvtier-sim replay."),

@@ -33,6 +33,7 @@ from kvtier import hotness, logs, state
 from kvtier import record as record_mod
 from kvtier import watch as watch_mod
 from kvtier import metrics as metrics_mod
+from kvtier.summary import BlockSummarizer
 from kvtier.kernel import sources as sources_mod
 from kvtier.kernel import uevents
 from kvtier import policy as pol
@@ -130,7 +131,8 @@ class Daemon:
         self.hotplug = uevents.TopologyFollower(self.engine, self.stats, lambda: topo_mod.discover(
             d.sys_root, d.proc_root, topology_overrides(self.cfg), hotplug=True))
         self.uevents = uevents.UeventListener(loop, self.hotplug.on_burst)
-        self.metrics = self._exporter(metrics_mod.MetricsConfig(**cfg.table("metrics")))
+        self.metrics_cfg = metrics_mod.MetricsConfig(**cfg.table("metrics"))
+        self.metrics = self._exporter(self.metrics_cfg)
         self.watch = watch_mod.Watcher(watch_mod.parse_rules(cfg.watch), self.registry, PsutilScanner(d.proc_root))
         self.watch_schedule = watch_mod.Schedule(self.watch, loop, d.watch_interval)
         self.api = ControlAPI(self.registry, self.engine, self.stats, lim.max_message_bytes, VERSION)
@@ -149,7 +151,8 @@ class Daemon:
             mcfg, self.stats, self.registry, self.table, lambda: self.engine.topology,
             proc_root=self.cfg.daemon.proc_root,
             sources=lambda: [(n, bool(a), a.reason) for n, a in self.availability.items()],
-            source_events=lambda: [(s.name, s.events()) for s in self.sources])
+            source_events=lambda: [(s.name, s.events()) for s in self.sources],
+            summary=BlockSummarizer(clock=self.registry.clock))
 
     def _start_metrics(self) -> None:
         """Metrics are not worth refusing to manage memory for: a port in
@@ -361,7 +364,7 @@ class Daemon:
     def _reload_metrics(self, new: config.Config) -> None:
         """A new exporter for the new [metrics] table; the old one stops
         first when both want the same port."""
-        mcfg = metrics_mod.MetricsConfig(**new.table("metrics"))
+        mcfg = self.metrics_cfg = metrics_mod.MetricsConfig(**new.table("metrics"))
         old = self.metrics
         same_port = old is not None and mcfg.port != 0 and (mcfg.address, mcfg.port) == (old.address, old.port)
         if old is not None and (same_port or not mcfg.enabled):
@@ -374,6 +377,13 @@ class Daemon:
             old.stop()
 
     # -- main loop -------------------------------------------------------
+
+    def _summarize(self) -> None:
+        """Fold the next slice of the block table into the sums metrics read."""
+        summ = self.metrics.summarizer if self.metrics is not None else None
+        if summ is not None:
+            summ.advance(self.table, self.registry.clock(), metrics_mod.summary_budget(
+                len(self.table), self.cfg.daemon.tick_interval, self.metrics_cfg.summary_pass_s))
 
     def _status_line(self) -> str:
         s = self.stats
@@ -415,6 +425,7 @@ class Daemon:
             if now >= next_tick:
                 self.engine.tick()
                 self.hotplug.poll()
+                self._summarize()
                 # Fixed-rate ticks; after a stall, resume from now instead of bursting.
                 next_tick = max(next_tick + self.cfg.daemon.tick_interval, time.monotonic())
                 if now - last_status >= 5.0:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier import metrics
@@ -384,3 +384,43 @@ def test_labelled_counters_start_at_zero_with_config_names(fresh_scrape):
     ratios = [f.name for f in text_string_to_metric_families(fresh_scrape)
               if f.name.startswith("kvtier_") and ("share" in f.name or "fraction" in f.name)]
     assert not ratios, f"ratios end in _ratio: {ratios}"
+
+
+def test_daemon_summary_is_kept_a_slice_per_tick_and_read_whole_by_a_scrape(daemon_state):
+    """In the daemon a scrape reads sums the loop keeps (kvtier.summary):
+    folding the table in slices of a budget gives the same numbers as a
+    full pass, a scrape visits no block, and an unregistered region's
+    bytes leave at once."""
+    from kvtier.summary import BlockSummarizer
+
+    stats, reg, topo, (r0, r1) = daemon_state
+    t = reg.table
+    t.tier[:] = 0
+    t.tier[t.slices[r1.id].start] = 1
+    t.temp[:] = [0.0, 0.5, 3.0, 50.0, 2e4, 7.0]
+    t.last_access[:] = reg.clock() - np.array([0.5, 2.0, 10.0, 100.0, 1000.0, 0.1])
+    summ = BlockSummarizer(clock=reg.clock)
+    r = CollectorRegistry(auto_describe=False)
+    r.register(metrics.Collector(stats, reg, t, topo, summary=summ))
+    full = collect(stats, reg, topo)  # a collector without one: sums the table at each scrape
+    v = r.get_sample_value
+    assert v("kvtier_tier_bytes", {"tier": "dram"}) == 0  # nothing folded yet
+    visits = [summ.advance(t, reg.clock(), 4) for _ in range(2)]
+    assert visits == [4, 4]  # the budget bounds each slice; the second wraps into the next pass
+    before = summ.rows_visited_total
+    text = generate_latest(r)
+    assert summ.rows_visited_total == before  # the scrape itself visited no block
+    assert text == generate_latest(full)
+    assert v("kvtier_tier_bytes", {"tier": "dram"}) == 10 * MIB
+    assert v("kvtier_access_age_bytes", {"tier": "dram", "tenant": "alice", "age": "5-30s"}) == 2 * MIB
+    assert v("kvtier_block_temperature_bucket", {"le": "1.0"}) == 2  # temperatures 0 and 0.5
+    reg.remove(r0.id)
+    for _ in range(2):  # at once (the scrape leaves unregistered regions out), and after the next slice
+        assert v("kvtier_tier_bytes", {"tier": "dram"}) == 2 * MIB
+        assert v("kvtier_tenant_tier_bytes", {"tenant": "alice", "tier": "dram"}) is None
+        summ.advance(t, reg.clock(), 4)
+
+
+def test_summary_budget_gives_one_pass_per_summary_pass_s():
+    assert metrics.summary_budget(1 << 20, 1.0, 30.0) == -(-(1 << 20) // 30)
+    assert metrics.summary_budget(1000, 1.0, 30.0) == metrics.SUMMARY_MIN_ROWS
