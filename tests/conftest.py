@@ -27,7 +27,8 @@ cannot boot fails every vm test loudly. A guest that fails its set-up fails
 every vm test with the tail of its console.
 
 `vmsystemd` tests (systemd as PID 1 in the guest) get their own boot through
-run.py --systemd, the same way.
+run.py --systemd, the same way, and `vm2s` tests theirs in the two-socket
+guest (run.py --shape two-socket).
 
 Knobs (quiet-host seconds, multiplied by the guest's slowness):
 KVTIER_VM_TIMEOUT (whole guest run; default 300 + 60 per test),
@@ -70,7 +71,7 @@ TAIL_LINES = 40
 
 # Guest modes: marker -> extra run.py flags. Each mode with selected tests
 # costs one boot.
-MODES = {"vm": [], "vmsystemd": ["--systemd"]}
+MODES = {"vm": [], "vmsystemd": ["--systemd"], "vm2s": ["--shape", "two-socket"]}
 
 
 def in_ci() -> bool:

@@ -99,11 +99,17 @@ mount_kernel_fs
 # stretches the whole run's timeout by it (the KVTIER_SLOWNESS= line).
 KVTIER_VM_SLOWNESS=$(python3 -S "$(dirname "${BASH_SOURCE[0]}")/speed.py" --report) || KVTIER_VM_SLOWNESS=1
 export KVTIER_VM_SLOWNESS
-modprobe -a nvme cxl_acpi cxl_pci cxl_mem dax_cxl device_dax kmem || fail "modprobe"
 # The Debian kernel boots with NUMA balancing on; tests need pages to stay
 # where kvtier put them.
-echo 0 > /proc/sys/kernel/numa_balancing
-setup_cxl
+if [ "${KVTIER_VM_SHAPE:-default}" = two-socket ]; then
+    # Two CPU nodes with far memory beside each (run.py --shape); no CXL.
+    modprobe -a nvme || fail "modprobe"
+    echo 0 > /proc/sys/kernel/numa_balancing
+else
+    modprobe -a nvme cxl_acpi cxl_pci cxl_mem dax_cxl device_dax kmem || fail "modprobe"
+    echo 0 > /proc/sys/kernel/numa_balancing
+    setup_cxl
+fi
 setup_swap
 echo "KVTIER_SETUP_DONE"
 exec "$@"

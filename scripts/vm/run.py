@@ -15,6 +15,15 @@ read-write share at /mnt/kvtier ($KVTIER_SHARE) to bring files back.
 COMMAND runs as root in the guest, in the current directory, with
 KVTIER_IN_VM=1; its exit status becomes run.py's.
 
+--shape two-socket boots instead a guest shaped like a two-socket server
+with far memory beside each socket (for per-process far-node affinity):
+  node 0   512 MiB + CPU 0        node 1   512 MiB + CPU 1
+  node 2   256 MiB CPU-less, near node 0 (SLIT 17, HMAT initiator 0)
+  node 3   256 MiB CPU-less, near node 1 (SLIT 17, HMAT initiator 1)
+  swap     as above; no CXL device (the guest sees KVTIER_VM_SHAPE).
+Nodes 2 and 3 look alike from their own socket, so kvtier makes them one
+far tier of two nodes.
+
 --systemd boots the host's own systemd as PID 1 after the same set-up, and
 COMMAND runs as a unit once basic.target is up (scripts/vm/systemd/sdguest.py).
 
@@ -152,6 +161,39 @@ def find_qemu() -> str:
     return qemu
 
 
+# --shape two-socket: (MiB, CPUs or None, initiator) per node; SLIT between
+# them; HMAT read latency (ns) and bandwidth from each CPU node.
+TWO_SOCKET_NODES = {0: (512, "0", None), 1: (512, "1", None), 2: (256, None, 0), 3: (256, None, 1)}
+TWO_SOCKET_SLIT = {(0, 1): 21, (0, 2): 17, (0, 3): 28, (1, 2): 28, (1, 3): 17, (2, 3): 32}
+TWO_SOCKET_HMAT = {"local": (80, "20G"), "remote": (130, "10G"), "near": (200, "5G"), "far": (280, "3G")}
+SHAPES = ("default", "two-socket")
+
+
+def two_socket_args() -> list[str]:
+    """q35, two CPU nodes each with a CPU-less memory node beside it, HMAT."""
+    total = sum(m for m, _, _ in TWO_SOCKET_NODES.values())
+    args = ["-M", "q35,hmat=on", "-cpu", "max,hypervisor=off", "-smp", str(CPUS), "-m", f"{total}M"]
+    for n, (mib, cpus, initiator) in TWO_SOCKET_NODES.items():
+        args += ["-object", f"memory-backend-ram,id=m{n},size={mib}M"]
+        spec = f"node,nodeid={n},memdev=m{n}"
+        spec += f",cpus={cpus}" if cpus is not None else f",initiator={initiator}"
+        args += ["-numa", spec]
+    for (a, b), d in TWO_SOCKET_SLIT.items():
+        args += ["-numa", f"dist,src={a},dst={b},val={d}"]
+    for ini in (n for n, (_, cpus, _) in TWO_SOCKET_NODES.items() if cpus is not None):
+        for target, (_, cpus, near) in TWO_SOCKET_NODES.items():
+            kind = (("local" if target == ini else "remote") if cpus is not None
+                    else ("near" if near == ini else "far"))
+            lat, bw = TWO_SOCKET_HMAT[kind]
+            args += [
+                "-numa", f"hmat-lb,initiator={ini},target={target},hierarchy=memory,data-type=access-latency,"
+                         f"latency={lat}",
+                "-numa", f"hmat-lb,initiator={ini},target={target},hierarchy=memory,data-type=access-bandwidth,"
+                         f"bandwidth={bw}",
+            ]
+    return args
+
+
 def topology_args() -> list[str]:
     """q35 with two NUMA nodes, HMAT, one CXL type-3 device and an NVMe drive."""
     args = [
@@ -235,6 +277,7 @@ def boot(
     icount: int | None = None,
     max_timeout: float | None = None,
     stall: float | None = None,
+    shape: str = "default",
 ) -> GuestResult:
     """Boot the guest, run ``cmd``, return how it went. Never raises for guest failures.
 
@@ -256,7 +299,9 @@ def boot(
         sys.path.insert(0, str(HERE / "systemd"))
         import sdguest
         cmd = sdguest.wrap(cmd)
-    write_run_sh(share, img, cmd, cwd or os.getcwd(), env or {})
+    if shape not in SHAPES:
+        raise ValueError(f"unknown guest shape {shape!r} (have: {', '.join(SHAPES)})")
+    write_run_sh(share, img, cmd, cwd or os.getcwd(), {"KVTIER_VM_SHAPE": shape, **(env or {})})
 
     with tempfile.TemporaryDirectory(prefix="kvtier-vm-") as tmp:
         disk = Path(tmp) / "swap.img"
@@ -272,7 +317,7 @@ def boot(
             accel = ["-accel", "tcg,thread=single", "-icount", f"shift={icount},sleep=off"]
         argv = [
             qemu, *accel,
-            *topology_args(),
+            *(two_socket_args() if shape == "two-socket" else topology_args()),
             "-drive", f"file={disk},if=none,id=nvm0,format=raw,cache=unsafe",
             "-device", "nvme,serial=kvtier-swap0,drive=nvm0,bus=pcie.0",
             # -virtfs would let QEMU pick a bus, and it picks the CXL host
@@ -417,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--systemd", action="store_true", help="boot systemd as PID 1 (scripts/vm/systemd)")
     ap.add_argument("--icount", type=int, metavar="SHIFT",
                     help="deterministic guest clock, 2**SHIFT ns per instruction (benchmarks on a busy host)")
+    ap.add_argument("--shape", choices=SHAPES, default="default",
+                    help="the guest's NUMA layout (two-socket: see above)")
     ap.add_argument("cmd", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
@@ -425,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     share = a.share or Path(tempfile.mkdtemp(prefix="kvtier-share-"))
     env = dict(kv.split("=", 1) for kv in a.env)
     res = boot(cmd, share.resolve(), a.timeout, a.log, a.cwd, env, a.verbose, a.systemd, sys.stdout, a.icount,
-               a.max_timeout, a.stall)
+               a.max_timeout, a.stall, a.shape)
     (share / "result.json").write_text(json.dumps({k: v for k, v in asdict(res).items() if k != "tail"}, indent=1))
     timing = ""
     if res.boot_seconds is not None:
