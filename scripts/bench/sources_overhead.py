@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import struct
 import sys
 import threading
@@ -141,6 +142,10 @@ def bench_damon(c: KVChild, block: int, collects: int = 20) -> dict:
 
 
 def main() -> None:
+    # SIGTERM (timeout(1), a CI runner) unwinds like Ctrl-C, so bench_damon's
+    # finally removes its kdamond; killed outright, the kdamond would stay
+    # behind until the next kvtierd start removes it (damon.py, leftovers).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--block-kib", type=int, default=2048)

@@ -52,6 +52,7 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "scripts" / "vm"))
 
 import speed  # noqa: E402  (waits below are quiet-host seconds times the guest's slowness)
+import guestjob  # noqa: E402
 
 MiB = 1 << 20
 POOL = 256 * MiB
@@ -435,20 +436,8 @@ def table(res: dict) -> str:
 
 
 def host_main(args) -> None:
-    share = Path(tempfile.mkdtemp(prefix="kvtier-tiering-"))
-    cmd = [
-        sys.executable, str(REPO / "scripts/vm/run.py"), "--share", str(share),
-        "--timeout", str(int(120 + len(args.modes) * (args.seconds + 60))), "--",
-        str(REPO / ".venv/bin/python"), str(Path(__file__).resolve()), "--in-guest",
-        "--out", "/mnt/kvtier/tiering.json", "--seconds", str(args.seconds), "--modes", *args.modes,
-    ]
-    r = subprocess.run(cmd)
-    out = share / "tiering.json"
-    if r.returncode != 0 or not out.exists():
-        sys.exit(f"guest run failed (status {r.returncode}); console in {share}")
-    res = json.loads(out.read_text())
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
+    res = guestjob.run(Path(__file__).resolve(), ["--seconds", str(args.seconds), "--modes", *args.modes],
+                       "tiering.json", timeout=120 + len(args.modes) * (args.seconds + 60), save=args.json)
     print(f"kernel {res['kernel']}, pool {res['pool_mib']} MiB on node 1 at start, hot set {res['hot_mib']} MiB, "
           f"{res['seconds']} s per mode, hot set moves at half time")
     print(table(res))
@@ -459,9 +448,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=30.0, help="run length per mode")
     ap.add_argument("--modes", nargs="+",
                     default=["none", "numa_tiering", "damos_paddr", "kvtier_hints", "kvtier_damon"])
-    ap.add_argument("--json", help="(host) also save the raw results here")
-    ap.add_argument("--in-guest", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", help=argparse.SUPPRESS)
+    guestjob.add_args(ap)
     args = ap.parse_args()
     if args.in_guest:
         guest_main(args)

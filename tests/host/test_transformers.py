@@ -20,6 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+import tinyllama  # noqa: E402
 import waiting  # noqa: E402
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
 from test_daemon import DaemonProc, workdir  # noqa: E402,F401  (fixture)
@@ -35,15 +36,7 @@ wait_for = functools.partial(waiting.wait_for, timeout=30.0, interval=0.01)
 
 
 def tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
-                      initializer_range=0.3)
-    model = LlamaForCausalLM(cfg).eval()
-    prompt = torch.randint(0, cfg.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(1))
-    return model, prompt
+    return tinyllama.tiny_llama(PROMPT)
 
 
 def generate(model, prompt, **kw):
