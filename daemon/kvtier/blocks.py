@@ -59,8 +59,7 @@ FIELDS: dict[str, np.dtype] = {
     "pin_tier": np.dtype(np.int8),
     "temp": np.dtype(np.float32),
     "fresh": np.dtype(np.float32),  # exp(-age/tau) of the block's current run of reads (kvtier.hotness)
-    "runs": np.dtype(np.float32),  # runs of reads since its first read (kvtier.hotness)
-    "born": np.dtype(np.float64),  # time of its first read
+    "runs": np.dtype(np.float32),  # runs of reads it has had (kvtier.hotness)
     "last_access": np.dtype(np.float64),
     "last_move": np.dtype(np.float64),
     "retry_at": np.dtype(np.float64),
@@ -75,7 +74,6 @@ _DEFAULTS = {
     "tier": TIER_UNKNOWN,
     "pin_tier": TIER_UNKNOWN,
     "last_access": -np.inf,
-    "born": -np.inf,
     "last_move": -np.inf,
     "retry_at": -np.inf,
 }

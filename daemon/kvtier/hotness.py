@@ -40,10 +40,14 @@ What a KV cache's reads look like shapes two corrections, both in
 Blocks whose run is over (temperature 0) are not all alike: a prefix many
 requests share (a system prompt, a popular document, a conversation that
 keeps coming back) starts run after run, a one-off prompt's block never
-again. ``runs`` counts a block's runs since its first read (``born``), and
-``reuse_rate`` = (runs - 1) / age is how often it has come back: the policy
-keeps the ones that come back most (a request's blocks are reused far more
-often the more often they were reused before, in both Mooncake traces).
+again, and a turn that ended a second ago is likelier to be followed by the
+next than one that ended an hour ago. ``runs`` counts a block's runs, and
+``reuse_score`` = runs / seconds since its last read is what the policy
+keeps finished blocks by (in both Mooncake traces a released block is
+reused more often and sooner the more runs it had: 24 % after one, 72-92 %
+after five or more, conversation trace). Runs alone would keep yesterday's
+popular prefixes forever (conversation, 8B, DRAM 10 %: 0.90 against 0.98
+with the silence in the denominator).
 """
 
 from __future__ import annotations
@@ -81,10 +85,11 @@ END_OF_RUN = 3.0
 _RESTART = np.float32(1.0)
 
 
-def reuse_rate(runs: np.ndarray, born: np.ndarray, now: float) -> np.ndarray:
-    """Runs after the first per second of the block's life (0 for a block read in one run only)."""
-    age = np.maximum(now - np.asarray(born, dtype=np.float64), 1.0)
-    return np.where(np.isfinite(age), np.maximum(np.asarray(runs, dtype=np.float64) - 1.0, 0.0) / age, 0.0)
+def reuse_score(runs: np.ndarray, last_access: np.ndarray, now: float) -> np.ndarray:
+    """How soon a block whose run is over is read again: runs per second of
+    its silence (+1 s, so a block read this instant is not infinite)."""
+    idle = np.maximum(now - np.asarray(last_access, dtype=np.float64), 0.0) + 1.0
+    return np.asarray(runs, dtype=np.float64) / idle
 
 
 def rate_temp(temp: np.ndarray, fresh: np.ndarray) -> np.ndarray:
@@ -159,14 +164,11 @@ class Temperature:
         # A read that starts a run (the block's first, or the first after its
         # run ended): the run is one interval old (the reads of a tick stand
         # for that long).
-        first = la[rows] == -np.inf
-        start = rows[(table.fresh[rows] >= _RESTART) | first]
+        start = rows[(table.fresh[rows] >= _RESTART) | (la[rows] == -np.inf)]
         if start.size:
             table.temp[start] = 0.0
             table.fresh[start] = np.float32(self.factor(self.interval))
             np.add.at(table.runs, np.unique(start), np.float32(1.0))
-            born = rows[first]
-            table.born[born] = now
         # np.add.at (unbuffered, so duplicate rows add up) runs at 20-100 M
         # rows/s on numpy 2: faster than a full-length bincount even for
         # batches of a million (scripts/bench/sim_bench.py).

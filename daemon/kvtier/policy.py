@@ -95,7 +95,7 @@ from .blocks import (
     TIER_UNKNOWN,
 )
 from .errors import ConfigError
-from .hotness import rate_temp, reuse_rate
+from .hotness import rate_temp, reuse_score
 
 MIB = 1 << 20
 
@@ -471,12 +471,12 @@ class _Tick:
         key = np.minimum(self.eff, _TEMP_CAP)
         key -= age
         if "runs" in snap:
-            # Among blocks whose run of reads is over, the ones that keep
-            # coming back (hotness.reuse_rate) go last; still below any read
+            # Among blocks whose run of reads is over, the ones likeliest to
+            # come back (hotness.reuse_score) go last; still below any read
             # block (the term is below _REUSE_TIE).
             ended = self.eff <= 0.0
             if ended.any():
-                lam = reuse_rate(snap["runs"][ended], snap["born"][ended], now)
+                lam = reuse_score(snap["runs"][ended], snap["last_access"][ended], now)
                 key[ended] += _REUSE_TIE * lam / (lam + 1.0)
         if self.prio.any():
             key += self.prio * _PRIO_SCALE

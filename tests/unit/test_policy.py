@@ -626,3 +626,21 @@ def test_among_finished_blocks_the_ones_that_keep_coming_back_stay():
     p, _ = plan(t.snapshot(), tiers(4), c, PolicyState(), 100.0)
     out = p.rows[p.dst == 1].tolist()
     assert out and 0 not in out and 4 in p.rows[p.dst == 0].tolist()
+
+
+def test_a_prefix_popular_long_ago_goes_before_a_turn_that_just_ended():
+    # Runs alone would keep yesterday's shared prefix forever: row 0 came
+    # back three times an hour ago, row 1's only turn ended a second ago.
+    h = Temperature(5.0)
+    t = make_table(3, tier=0)
+    t.tier[2] = 1
+    for k in range(3):
+        h.decay(t, 10.0 * k)
+        h.add(t, np.array([0]), 10.0, 10.0 * k)
+        apply_phase(t, np.array([0]), "free")
+    h.decay(t, 3599.0)
+    h.add(t, np.array([1]), 10.0, 3599.0)
+    apply_phase(t, np.array([1]), "free")
+    t.temp[2] = 50.0
+    p, _ = plan(t.snapshot(), tiers(2), cfg(high_wm=1.0, low_wm=1.0), PolicyState(), 3600.0)
+    assert p.rows[p.dst == 1].tolist() == [0] and p.rows[p.dst == 0].tolist() == [2]
