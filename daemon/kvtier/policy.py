@@ -25,15 +25,17 @@ blocks it looked at and left alone, the rule that decided (``Plan.stay``,
 2. ``_step_quotas``: a tenant above its DRAM quota has its coldest tier-0
    blocks demoted until it is back within quota.
 3. For each tier t, fastest first:
-   a. ``_step_overflow``: above the high watermark the coldest residents are
-      demoted one tier down until usage is back under it with room for the
-      next ``burst_s`` of allocations (never below the low watermark; the
+   a. ``_step_overflow``: above what the tier may be filled to (``fill``:
+      the high watermark; for DRAM, where new blocks land, at most the
+      target less the room the next ``burst_s`` of allocations needs,
+      ``PolicyState.headroom``) the coldest residents are demoted one tier
+      down until usage is back under it (never below the low watermark; the
       cold ones below that go in step c). What lands on t+1 may push t+1
       over its own high watermark; it is handled in t+1's turn (the cascade).
    b. ``_step_promote``: blocks in slower tiers at least ``promote_temp`` hot
       and hotter than anything step a just demoted from t (that room was made
       for new allocations, not for colder blocks), hottest first. They fill
-      the free room below the high watermark (and within the node's
+      the free room below ``fill`` (and within the node's
       ``free_bytes``); beyond that a candidate may only displace the coldest
       resident of t if it is hotter by the margin (``temp > coldest *
       (1+margin_ratio) + margin_abs + margin_sigma*sqrt(temp+coldest)``, see
@@ -176,7 +178,7 @@ class PolicyConfig:
     # tier index -> capacity target: a fraction (<= 1.0) of TierState.capacity_bytes
     # or a byte count (> 1). Missing tiers use their whole capacity_bytes.
     capacity: Mapping[int, float] = field(default_factory=dict)
-    high_wm: float = 0.95  # fraction of the target above which we demote
+    high_wm: float = 0.98  # fraction of the target above which we demote (DRAM: less the allocations' room)
     low_wm: float = 0.85  # ... down to this fraction
     promote_temp: float = 2.0
     demote_temp: float = 0.5
@@ -221,6 +223,9 @@ class PolicyConfig:
 # burst of arrivals, short enough to follow the load within a minute.
 INFLOW_TAU_S = 10.0
 _DEMOTE_FACTOR = 1.5
+# Room kept in DRAM for allocations: mean + this many standard deviations of
+# the allocation rate (about 98 % of ticks, were it normal).
+HEADROOM_SIGMAS = 2.0
 _PROMOTE_FACTOR = 1.0
 
 
@@ -263,21 +268,31 @@ class PolicyState:
     last_now: float | None = None
     last_total: float | None = None  # bytes in measured tiers at the last plan
     inflow_bps: float = 0.0
+    inflow_var: float = 0.0  # variance of the per-plan inflow rate (same average)
 
     def refill(self, cfg: PolicyConfig, now: float, max_block: float, total: float = 0.0) -> "PolicyState":
         if self.last_now is None or self.promote_tokens is None or self.demote_tokens is None:
             bp, bd = _bursts(cfg, max_block)
             return PolicyState(bp, bd, now, total, 0.0)
         dt = max(0.0, now - self.last_now)
-        inflow = self.inflow_bps
+        inflow, var = self.inflow_bps, self.inflow_var
         if dt > 0 and self.last_total is not None:
             seen = max(0.0, total - self.last_total) / dt
             a = 1.0 - math.exp(-dt / INFLOW_TAU_S)
-            inflow += a * (seen - inflow)
+            d0 = seen - inflow
+            inflow += a * d0
+            var = (1.0 - a) * (var + a * d0 * d0)
         bp, bd = _bursts(cfg, max_block, inflow)
         p = min(bp, self.promote_tokens + _promote_rate(cfg, inflow) * dt)
         d = min(bd, self.demote_tokens + _demote_rate(cfg, inflow) * dt)
-        return PolicyState(p, d, max(now, self.last_now), total if dt > 0 else self.last_total, inflow)
+        return PolicyState(p, d, max(now, self.last_now), total if dt > 0 else self.last_total, inflow, var)
+
+    def headroom(self, cfg: "PolicyConfig") -> float:
+        """Bytes of room the fastest tier needs for the next ``burst_s`` of
+        allocations: the measured rate plus HEADROOM_SIGMAS standard
+        deviations of it (arrivals come in bursts; a block that finds DRAM
+        full lands on CXL and is read from there until promoted)."""
+        return (self.inflow_bps + HEADROOM_SIGMAS * math.sqrt(max(self.inflow_var, 0.0))) * cfg.burst_s
 
 
 @dataclass(frozen=True)
@@ -503,6 +518,11 @@ class _Tick:
         self.pin_tier = snap["pin_tier"].astype(np.int64)
         target = np.array([cfg.target_bytes(t) for t in tiers])
         self.high, self.low = target * cfg.high_wm, target * cfg.low_wm
+        # What tier t may be filled to: the high watermark, and for DRAM, where
+        # new blocks land, less the room the next burst_s of them needs.
+        self.fill = self.high.copy()
+        if T:
+            self.fill[0] = max(self.low[0], min(self.high[0], target[0] - state.headroom(cfg)))
         self.state = state
         self.b = _Builder(snap, T, state)
         # Why each block stays, most specific last (a later rule overrides).
@@ -569,19 +589,19 @@ def _step_overflow(x: _Tick, t: int) -> float:
     until it is back under it with room for the coming allocations. Returns the hottest key demoted (the
     floor promotion candidates must beat), -inf if none."""
     b = x.b
-    if b.used[t] <= x.high[t]:
+    if b.used[t] <= x.fill[t]:
         return -np.inf
     cand = np.flatnonzero(x.demotable(t))
     if cand.size == 0:
         return -np.inf
     k = min(b.budget_rows("demote", int(b.nb[cand].min())), cand.size)
     order = _ordered(cand, x.key, k, hottest_first=False)
-    # Back under the high watermark plus room for the next burst_s of
-    # allocations (DRAM must not spill new blocks to CXL), never below the low
-    # watermark. Not further: what is still warm stays until it is needed,
-    # since demoting it early only brings it back (cold blocks go in step c).
-    urgent = b.used[t] - x.high[t] + (x.state.inflow_bps * x.cfg.burst_s if t == 0 else 0.0)
-    gone = b.take(order, t + 1, R_OVERFLOW, min(urgent, b.used[t] - x.low[t]))
+    # Back under fill: the high watermark, for DRAM less the room for the
+    # next burst_s of allocations (DRAM must not spill new blocks to CXL);
+    # never below the low watermark. Not further: what is still warm stays
+    # until it is needed, since demoting it early only brings it back (cold
+    # blocks go in step c).
+    gone = b.take(order, t + 1, R_OVERFLOW, b.used[t] - x.fill[t])
     return float(x.key[gone].max()) if gone.size else -np.inf
 
 
@@ -611,7 +631,7 @@ def _step_promote(x: _Tick, t: int, floor: float) -> None:
         cand = allowed
         if cand.size == 0:
             return
-    room = max(0.0, x.high[t] - b.used[t] - b.late_out[t])
+    room = max(0.0, x.fill[t] - b.used[t] - b.late_out[t])
     free = x.tiers[t].free_bytes
     if free is not None:
         # what the node has free, minus what this plan already sends there

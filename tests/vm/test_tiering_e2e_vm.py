@@ -64,7 +64,7 @@ DAMON_TICKS = 120
 # Never-hot blocks allowed on node 0: none with hints; DAMON's regions span
 # block boundaries, so a neighbour of the hot set can look warm to it.
 COLD_IN_DRAM = {True: 0, False: 4}
-# At steady state DRAM and far hold at most their high watermark (0.95) of
+# At steady state DRAM and far hold at most their high watermark (0.98) of
 # their target, so at least this much of the pool must be in swap.
 MIN_SWAPPED = POOL - DRAM_TARGET - FAR_TARGET
 SHARE = Path("/mnt/kvtier")  # scripts/vm/run.py's share, as tests/conftest.py names it
