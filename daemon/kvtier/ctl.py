@@ -175,6 +175,8 @@ def cmd_regions(c: Client, a) -> Paged:
             origin = f"watch:{x['adopted_by']}" if x.get("adopted_by") else "client"
             plc = x.get("placement")
             placed = (f"{plc['tier_name']}/node{plc['node']}" if plc else "-") + (" pinned" if x.get("pinned") else "")
+            if x.get("placement_lost"):
+                placed += f" ({x['placement_lost']} block(s) moved by the kernel)"
             out.append((x["id"], x["pid"], x["name"] or "-", x["tenant"] or "-", x["priority"], human(x["length"]),
                         human(x["block_size"]), x["nblocks"], by, ",".join(x["constraints"]) or "-", origin, placed))
         return out

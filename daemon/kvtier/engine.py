@@ -563,6 +563,34 @@ class Engine:
         self.stats.blocks_unmapped = sum(r.unmapped_blocks for r in reg.regions.values())
         return out
 
+    def check_placement(self, region_ids) -> None:
+        """Allocated regions whose blocks, never moved by kvtier, are
+        measured outside the tier ``allocate`` placed them in: the kernel
+        moved them. The usual cause is a long-term pin (cudaHostRegister,
+        RDMA, io_uring), which first migrates pages out of ZONE_MOVABLE (CXL
+        memory onlined by dax kmem usually is), so a pool placed there and
+        pinned silently lands elsewhere (measured: the guest's CXL node 2 ->
+        node 1). Said once per change, counted, listed by ``regions``."""
+        reg, t, names = self.registry, self.table, self.tier_names()
+        for rid in region_ids:
+            r = reg.regions.get(int(rid))
+            if r is None or not r.placement or r.mode != "kernel":
+                continue
+            tier = t.region_view(r.id, "tier")
+            lost = (tier >= 0) & (tier != r.placement["tier"]) & ~np.isfinite(t.region_view(r.id, "last_move"))
+            n = int(lost.sum())
+            if n != r.placement_lost:
+                found = {names[x] if x < len(names) else str(x): int(c)
+                         for x, c in zip(*np.unique(tier[lost].astype(np.int64), return_counts=True))}
+                logs.event(log, "placement_lost" if n else "placement_regained",
+                           logging.WARNING if n > r.placement_lost else logging.INFO, region=r.id, pid=r.pid,
+                           placed=r.placement.get("tier_name"), node=r.placement.get("node"), pinned=r.pinned,
+                           blocks=n, found=",".join(f"{k}:{v}" for k, v in sorted(found.items())),
+                           why="moved by the kernel, not kvtier: a long-term pin migrates pages out of "
+                               "ZONE_MOVABLE first" if n else "")
+                r.placement_lost = n
+        self.stats.blocks_placement_lost = sum(r.placement_lost for r in reg.regions.values())
+
     def request_measure(self, rows: np.ndarray | None = None) -> int:
         """Full re-measurement on demand: every page of the blocks (all when
         ``rows`` is None), as fast as the kernel answers, regardless of the
@@ -581,6 +609,13 @@ class Engine:
         snap = self.table.snapshot()
         text = pol.explain(snap, row, self.tier_states(), self.policy_cfg, self.pstate, self.clock())
         pid = int(snap["pid"][row])
+        r = self.registry.regions.get(int(snap["region"][row]))
+        t = int(snap["tier"][row])
+        if r is not None and r.placement and t >= 0 and t != r.placement["tier"] \
+                and not np.isfinite(snap["last_move"][row]):
+            text += (f"\nplacement lost: allocated on {r.placement.get('tier_name')} (node {r.placement.get('node')}),"
+                     f" now in tier {t} though kvtier never moved it: the kernel did (a long-term pin migrates pages"
+                     f" out of ZONE_MOVABLE first)")
         # Which node of a multi-node tier this process's blocks go to, and why.
         for t in self.topology.tiers:
             if len(t.nodes) > 1:
@@ -1318,6 +1353,8 @@ class Engine:
         # EFAULT: no page there (freed under the daemon) or the shared zero
         # page (never written): the mappings tell them apart. Regions already
         # partly unmapped are looked at again (the owner may map it back).
+        if ms.size:
+            self.check_placement(np.unique(job.region[ms]))
         suspect = set(job.region[job.efault & (rows >= 0)].tolist()) if job.efault is not None else set()
         suspect |= {r.id for r in self.registry.regions.values() if r.unmapped_blocks}
         if suspect:

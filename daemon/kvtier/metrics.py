@@ -160,6 +160,9 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "kvtier_blocks": ("gauge", (), "Registered KV blocks."),
     "kvtier_registered_bytes": ("gauge", (), "Bytes of registered regions."),
     "kvtier_blocks_unmapped": ("gauge", (), "Blocks of registered regions whose memory is no longer mapped."),
+    "kvtier_blocks_placement_lost": ("gauge", (),
+                                     "Allocated blocks kvtier never moved that are outside the tier they were placed "
+                                     "in: the kernel moved them (a long-term pin migrates pages out of ZONE_MOVABLE)."),
     "kvtier_region_events": ("counter", ("event",),
                              "Region lifecycle: registered, unregistered, dropped_exit, dropped_unmapped "
                              "(its memory was freed), adopted, stale."),
@@ -407,7 +410,8 @@ class Collector:
         s = self.stats
         for name, value in (("kvtier_regions", s.regions), ("kvtier_clients", s.processes),
                             ("kvtier_blocks", s.blocks), ("kvtier_registered_bytes", s.registered_bytes),
-                            ("kvtier_blocks_unmapped", s.blocks_unmapped)):
+                            ("kvtier_blocks_unmapped", s.blocks_unmapped),
+                            ("kvtier_blocks_placement_lost", s.blocks_placement_lost)):
             yield GaugeMetricFamily(name, METRICS[name][2], value=value)
         ev = _counter("kvtier_region_events")
         for event, value in (("registered", s.regions_registered_total),

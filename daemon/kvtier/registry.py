@@ -116,6 +116,9 @@ class Region:
     mode: str = "kernel"
     # blocks found no longer mapped (the owner freed part of the range)
     unmapped_blocks: int = 0
+    # allocated blocks kvtier never moved, measured outside their placement's
+    # tier: the kernel moved them (Engine.check_placement)
+    placement_lost: int = 0
 
     @property
     def end(self) -> int:

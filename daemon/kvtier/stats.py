@@ -82,6 +82,7 @@ class DaemonStats:
     regions_dropped_exit_total: int = 0  # owner process exited (pidfd)
     regions_dropped_unmapped_total: int = 0  # memory no longer mapped (freed under the daemon)
     blocks_unmapped: int = 0  # blocks of live regions whose memory is gone
+    blocks_placement_lost: int = 0  # allocated blocks the kernel moved out of their placement
     regions_adopted_total: int = 0  # re-adopted from the state file at start
     regions_stale_total: int = 0  # in the state file but the process is gone
     block_hints_total: int = 0

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from kvtier import policy as pol
-from kvtier.blocks import F_NOT_PRESENT, F_STALE, F_UNMOVABLE, BlockTable
+from kvtier.blocks import F_NOT_PRESENT, F_STALE, F_UNMOVABLE, STUCK_LOCKED, BlockTable
 from kvtier.engine import OPERATOR_ATTEMPTS, Engine
 from kvtier.errors import RangeNotMapped, os_error
 from kvtier.hotness import Temperature
@@ -457,6 +457,53 @@ def test_pinned_pages_make_a_block_unmovable(rig):
     assert r.table.flags[row1] & F_UNMOVABLE
     assert r.tiers()[0] == DRAM
     assert r.stats.migration_failed_pages[(SWAP_TIER, DRAM, "EBUSY")] == 1
+
+
+def test_pinned_reason_reaches_the_table(rig):
+    """Kills: `_run_move` or `_finish_move` dropping the migrator's
+    block_reason (every unmovable block would read "pinned"/"failing"
+    whatever the kernel said)."""
+    r = rig(4, capacity={DRAM: 64 * BLOCK}, unmovable_after=1)
+    r.settle()
+    r.kernel.stuck = r.kernel.block_pages(2, n=1)
+    real = r.kernel.pageout
+
+    def pageout(pid, starts, lengths):
+        res = real(pid, starts, lengths)
+        res.block_reason = np.where(res.block_ok, 0, STUCK_LOCKED).astype(np.uint8)
+        return res
+
+    r.kernel.pageout = pageout
+    r.engine.request_move(np.arange(r.rows().start, r.rows().stop), SWAP_TIER)
+    r.tick(2)
+    row = r.rows().start + 2
+    assert r.table.flags[row] & F_UNMOVABLE and r.table.stuck[row] == STUCK_LOCKED
+    assert "unmovable: locked" in r.engine.explain(row)
+
+
+def test_an_allocated_pool_the_kernel_moved_is_reported(rig):
+    """Kills: check_placement not run after a full measurement, counting
+    blocks kvtier moved itself, or not clearing when they come back. (A
+    long-term pin migrates pages out of ZONE_MOVABLE: the pool placed on
+    the CXL node lands elsewhere; here the placement says tier 1 and the
+    pages are on node 0.)"""
+    r = rig(4, capacity={DRAM: 64 * BLOCK})
+    rid = r.registry.add(PID, BASE + 4 * BLOCK, 4 * BLOCK, BLOCK, name="pool",
+                         placement={"tier": SWAP_TIER, "tier_name": "swap", "node": 0, "reason": "test"}).id
+    r.engine.request_measure()
+    r.tick()
+    reg = r.registry.regions[rid]
+    assert r.tiers(rid) == [DRAM] * 4
+    assert reg.placement_lost == 4 and r.stats.blocks_placement_lost == 4
+    assert reg.to_dict()["placement_lost"] == 4
+    assert "placement lost" in r.engine.explain(r.rows(rid).start)
+    r.table.last_move[r.rows(rid).start] = r.clock.now  # kvtier moved block 0 itself
+    r.engine.check_placement([rid])
+    assert reg.placement_lost == 3
+    r.kernel.loc[4 * PPB : 8 * PPB] = SWAP  # back where they were placed
+    r.engine.request_measure()
+    r.tick()
+    assert reg.placement_lost == 0 and r.stats.blocks_placement_lost == 0
 
 
 def test_a_measurement_never_overrides_a_move_in_flight(rig):

@@ -2,6 +2,14 @@
 to choose between: DRAM (node 0), far memory (node 1), CXL memory onlined
 movable by dax kmem (node 2), NVMe swap.
 
+Long-term pinned pools too: io_uring fixed buffers (FOLL_LONGTERM, the pin
+CUDA host memory and RDMA memory regions take) over memory kvtier allocated.
+On the far node move_pages cannot migrate them: the kernel answers with the
+count of pages it did not move and writes no per-page status; the block
+must be marked unmovable, reason pinned, at once. On the CXL node
+(ZONE_MOVABLE) the pin itself migrates the pages out (measured: to node 1),
+so the placement is silently lost; the daemon must notice and say so.
+
 Small on purpose: writes to the emulated CXL device run at about 1 MiB/s
 under TCG, so only 2 MiB go there; bulk work uses node 1.
 """
@@ -16,8 +24,9 @@ import numpy as np
 import pytest
 
 from kvtier.client import Client, KvtierClientError
+from kvtier.ctl import decode_blocks
 from kvtier.kernel import native
-from vmhelpers import CXL_NODE, DRAM_NODE, FAR_NODE, GuestKvtierd, MiB, scaled
+from vmhelpers import CXL_NODE, DRAM_NODE, FAR_NODE, GuestKvtierd, MiB, scaled, wait_for
 
 pytestmark = pytest.mark.vm
 
@@ -101,3 +110,65 @@ def test_prefetch_brings_a_far_pool_to_dram_without_waiting_for_the_policy(kvtie
         assert time.monotonic() < end, f"released blocks not one tier down: {pool.query()}"
         time.sleep(0.05)
     assert (pool.query()[2:] == 0).all()
+
+
+POOL = 2 * MiB  # CXL writes run at about 1 MiB/s under TCG
+
+
+def pinned_pool(kv, tier: dict, name: str):
+    """A pool allocated (unpinned: the daemon may move it) on ``tier``,
+    written, then pinned long-term by this process, as an engine that
+    registers its pool with CUDA after allocating it would."""
+    pool = kv.allocate(POOL, POOL, tier=tier["name"], name=name)
+    data = pool.numpy(np.uint64)
+    data[:] = np.arange(data.size, dtype=np.uint64)
+    ring = native.pin_longterm(native.iovecs(np.array([pool.start], dtype=np.uint64), POOL))
+    return pool, data, ring
+
+
+def test_a_pinned_pool_is_unmovable_at_once_with_the_reason(kvtierd):
+    """Fails on main: move_pages' statuses are never written for a batch it
+    gave up on, and main read its scratch buffer as if they had been (no
+    pinned reason either way)."""
+    kv = kvtierd
+    pool, data, ring = pinned_pool(kv, tier_named(kv, "far"), "far-then-pinned")
+    try:
+        assert (nodes_of(pool) == FAR_NODE).all()
+        wait_for(lambda: (pool.query() >= 0).all(), "the pool measured", timeout=30, interval=0.1)
+        assert kv.request("migrate", region=pool.id, tier=0)["queued"] == 1
+
+        def stuck():
+            b = decode_blocks(kv.request("blocks", region=pool.id))
+            return b["stuck_names"][b["stuck"][0]] == "pinned" and b["flags"][0] & 1
+
+        wait_for(stuck, "block 0 unmovable: pinned", timeout=60, interval=0.1)
+        assert (nodes_of(pool) == FAR_NODE).all()  # the kernel did not move it either
+        fails = kv.stats()["migration_failed_pages"]
+        assert sum(n for k, n in fails.items() if k.endswith(":EBUSY")) == POOL // PAGE, fails
+        text = kv.request("explain", region=pool.id, block=0)["text"]
+        assert "unmovable: pinned" in text, text
+        assert (data == np.arange(data.size, dtype=np.uint64)).all()
+    finally:
+        native.unpin_longterm(ring)
+
+
+def test_a_pool_the_pin_moves_out_of_zone_movable_is_reported(kvtierd):
+    """Fails on main: nothing compares where an allocated pool is with
+    where it was placed (no placement_lost)."""
+    kv = kvtierd
+    pool, data, ring = pinned_pool(kv, tier_named(kv, "cxl"), "cxl-then-pinned")
+    try:
+        nodes = nodes_of(pool)
+        assert not (nodes == CXL_NODE).any() and (np.isin(nodes, (DRAM_NODE, FAR_NODE))).all(), nodes
+        kv.request("measure", region=pool.id)
+
+        def lost():
+            r = next(r for r in kv.request("regions")["regions"] if r["id"] == pool.id)
+            return r.get("placement_lost") == 1
+
+        wait_for(lost, "the lost placement reported", timeout=60, interval=0.1)
+        text = kv.request("explain", region=pool.id, block=0)["text"]
+        assert "placement lost" in text and "ZONE_MOVABLE" in text, text
+        assert (data == np.arange(data.size, dtype=np.uint64)).all()
+    finally:
+        native.unpin_longterm(ring)
