@@ -146,9 +146,7 @@ def read_locked_ranges(pid: int, proc_root: str = "/proc") -> list[tuple[int, in
     so it is read only when /proc/PID/status says the process has locked
     memory at all (VmLck counts VM_LOCKED mappings' size, faulted or not).
     """
-    status = _read_text(proc_root, pid, PROC_STATUS)
-    vmlck = next((line.split()[1] for line in status.splitlines() if line.startswith("VmLck:")), "0")
-    if int(vmlck) == 0:
+    if int((_status_field(pid, "VmLck", proc_root) or "0").split()[0]) == 0:
         return []
     out: list[tuple[int, int]] = []
     start = end = 0
@@ -174,22 +172,29 @@ def read_start_time(pid: int, proc_root: str = "/proc") -> int:
     return int(rest[19])
 
 
+def _status_field(pid: int, key: str, proc_root: str) -> str | None:
+    """The value of one ``Key:`` line of /proc/PID/status, None if absent."""
+    head = key + ":"
+    for line in _read_text(proc_root, pid, PROC_STATUS).splitlines():
+        if line.startswith(head):
+            return line[len(head):].strip()
+    return None
+
+
 def read_uids(pid: int, proc_root: str = "/proc") -> tuple[int, int]:
     """(real uid, effective uid) from /proc/PID/status."""
-    for line in _read_text(proc_root, pid, PROC_STATUS).splitlines():
-        if line.startswith("Uid:"):
-            f = line.split()
-            return int(f[1]), int(f[2])
-    raise ProcessGone(errno.ESRCH, f"read {_pid_path(proc_root, pid, PROC_STATUS)}", "no Uid line")
+    uid = _status_field(pid, "Uid", proc_root)
+    if uid is None:
+        raise ProcessGone(errno.ESRCH, f"read {_pid_path(proc_root, pid, PROC_STATUS)}", "no Uid line")
+    f = uid.split()
+    return int(f[0]), int(f[1])
 
 
 def read_cpus_allowed(pid: int, proc_root: str = "/proc") -> list[int]:
     """CPUs the process may run on (Cpus_allowed_list of /proc/PID/status:
     its affinity mask, cpusets included)."""
-    for line in _read_text(proc_root, pid, PROC_STATUS).splitlines():
-        if line.startswith("Cpus_allowed_list:"):
-            return parse_list(line.split(":", 1)[1].strip())
-    return []
+    cpus = _status_field(pid, "Cpus_allowed_list", proc_root)
+    return parse_list(cpus) if cpus is not None else []
 
 
 def read_cgroup(pid: int, proc_root: str = "/proc") -> str:
