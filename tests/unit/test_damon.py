@@ -303,18 +303,6 @@ def test_split_by_target_when_next_target_continues_upwards(tmp_path):
     assert [r.nr_accesses for r in split[2]] == [3]
 
 
-def test_scheme_applies_every_sample_where_the_kernel_has_apply_interval(tmp_path):
-    root = damon_tree(tmp_path)
-    put(root, dm.APPLY_INTERVAL, "0")  # 6.7+ (the 6.12 guest, this host's 6.18)
-    io = SysfsIO(root, dry_run=True)
-    src = dm.DamonSource(io, proc_root=proc_tree(tmp_path, [100]))
-    src.set_targets(table_of((1, 100, 0x10000000, MIB, MIB)))
-    assert list(io.writes)[-2:] == [(dm.APPLY_INTERVAL, "5000"), (dm.STATE, "on")]
-    io.clear_log()
-    src.set_slowdown(4)  # the apply interval follows the sample interval
-    assert (dm.APPLY_INTERVAL, "20000") in io.writes and list(io.writes)[-1] == (dm.STATE, "commit")
-
-
 class TimingOutKernel(SysfsIO):
     """Real writes into a fixture tree (files created as written), where ``update_schemes_tried_regions``
     fills the dump only from the ``late``-th time on: before that the
