@@ -5,8 +5,9 @@
 
 Wraps asyncio's Handle._run (every ready callback: socket reads, turns,
 timers, task steps) and records, per callback name and peer uid, the count
-and the wall and thread-CPU time each took, and every callback over 1 ms with its perf_counter start
-time (to line up with a client's slow requests). A callback whose wall time is
+and the wall and thread-CPU time each took, every callback over 1 ms with its perf_counter start time
+(to line up with a client's slow requests), and every request whose
+handler took over 1 ms with its op and uid. A callback whose wall time is
 far above its CPU time was waiting for the GIL (a daemon thread held it) or
 for a CPU (the host is busy); one whose CPU time is long is work done on the
 loop that every other client waits behind. Written to OUT.json when the
@@ -59,6 +60,23 @@ def install(out_path: str) -> None:
 
     asyncio.events.Handle._run = _run
 
+    # Which request a slow callback was serving: ops over 1 ms, by op and uid.
+    from kvtier import server
+
+    handle = server.ControlAPI.handle
+    slow_ops: list[tuple[float, str, int, float, float]] = []
+
+    def timed_handle(self, peer, req):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            return handle(self, peer, req)
+        finally:
+            w = time.perf_counter() - t0
+            if w > 0.001:
+                slow_ops.append((t0, req.__struct_config__.tag, peer.uid, w * 1e3, (time.thread_time() - c0) * 1e3))
+
+    server.ControlAPI.handle = timed_handle
+
     def dump() -> None:
         rows = {}
         for k, ws in wall.items():
@@ -70,7 +88,7 @@ def install(out_path: str) -> None:
                        "over_ms": {str(e): int((w > e).sum()) for e in EDGES_MS if (w > e).any()}}
         with open(out_path, "w") as f:
             json.dump({"callbacks": dict(sorted(rows.items(), key=lambda kv: -kv[1]["wall_ms_total"])),
-                       "slow": slow}, f, indent=1)
+                       "slow": slow, "slow_ops": slow_ops}, f, indent=1)
 
     import atexit
     atexit.register(dump)
