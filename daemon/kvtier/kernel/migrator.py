@@ -305,11 +305,15 @@ class Migrator:
         if nb:
             for node in range(nn):  # a handful of nodes: one reduceat each
                 node_pages[:, node] = layout.per_block(status == node)
-        present = (pm & PM_PRESENT) != 0
-        swapped_page = ((pm & PM_SWAP) != 0) & ~on_node
-        zero = (status == _EFAULT) & present
-        shm = shmem.shared_pages(pid, layout, on_node | present | swapped_page, self.proc_root, self.page_size)
-        absent_page = ((status == _ENOENT) | zero) & ~swapped_page & ~shm.data & ~shm.unknown
+        swap_pte = (pm & PM_SWAP) != 0
+        swapped_page = swap_pte & ~on_node
+        zero = status == _EFAULT
+        if zero.any():  # the zero page is present in pagemap; an unmapped address is not
+            zero &= (pm & PM_PRESENT) != 0
+        shm = shmem.shared_pages(pid, layout, on_node | swap_pte | zero, self.proc_root, self.page_size)
+        absent_page = ((status == _ENOENT) | zero) & ~swapped_page
+        if shm.data.any() or shm.unknown.any():
+            absent_page &= ~(shm.data | shm.unknown)
         swapped = layout.per_block(swapped_page) + shm.swapped
         absent = layout.per_block(absent_page)
         other = ~on_node & (status != _ENOENT) & ~zero
