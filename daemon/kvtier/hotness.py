@@ -71,11 +71,9 @@ SOURCE_WEIGHTS = {
 # kvtier-sim read it here). 5 s smooths a decode schedule that revisits a
 # block every few ticks and still follows a shifting hot set within seconds:
 # at 30 s an old hot set took minutes to cool below demote_temp (25 s to get
-# 90 % of a moved hot set back in the guest), and on kvtier-sim's chat preset
-# the DRAM hit ratio goes 0.78 (30 s) -> 0.82 (5 s) -> 0.85 (1 s), against
-# LRU's 0.73 (`kvtier-sim run --preset chat --accesses 300000 --set
-# hotness.tau_s=T`). 1 s would leave a DAMON-only block (a quarter weight,
-# at most 5 per tick) barely above promote_temp.
+# 90 % of a moved hot set back in the guest, before runs ended on silence).
+# 1 s would leave a DAMON-only block (a quarter weight, at most 5 per tick)
+# barely above promote_temp.
 DEFAULT_TAU_S = 5.0
 
 # A run of reads is over once its silence had less than exp(-END_OF_RUN)
