@@ -138,6 +138,7 @@ def bench_damon(c: KVChild, block: int, collects: int = 20) -> dict:
         "collect_ms_max": round(float(lat_ms.max()), 1),
         "regions_median": int(np.median(nreg)),
         "busy_retries": io.busy_retries,
+        "empty_dumps": src.empty_dumps,  # dumps the kernel timed out on, asked again (damon.py)
     }
 
 
