@@ -64,6 +64,7 @@ FIELDS: dict[str, np.dtype] = {
     "last_move": np.dtype(np.float64),
     "retry_at": np.dtype(np.float64),
     "fail_count": np.dtype(np.uint16),
+    "returns": np.dtype(np.uint8),  # pageouts in a row its reader undid at once (engine: pageout returns)
     "flags": np.dtype(np.uint8),
     "stuck": np.dtype(np.uint8),
     "priority": np.dtype(np.int8),
@@ -162,6 +163,7 @@ class BlockTable:
         a["runs"][sl] = 0
         a["fail_count"][sl] = 0
         a["stuck"][sl] = STUCK_NONE
+        a["returns"][sl] = 0
         self.n += count
         self.slices[region] = s
         return s

@@ -278,6 +278,11 @@ OPTIONS: tuple[Option, ...] = (
            "Consecutive failed moves after which a block is marked unmovable.", 1, 1 << 20),
     Option("policy", "unmovable_reprobe_s", float, _P.unmovable_reprobe_s,
            "Seconds before a block the kernel would not move (locked, pinned, failing) is tried again.", 0),
+    Option("policy", "return_window_s", float, _P.return_window_s,
+           "A block found back in memory this soon after it was paged out came straight back "
+           "(its reader faulted it in).", 0),
+    Option("policy", "return_backoff_s", float, _P.return_backoff_s,
+           "How long such a block is not moved again (doubles per return in a row, up to backoff_max_s).", 0),
     # -- topology (kvtier.kernel.topology.validate_overrides) -----------------
     Option("topology", "tiers", list, [],
            "Memory tiers in order, fastest first, replacing the discovered ones; empty = discover. "

@@ -1057,6 +1057,14 @@ class Engine:
             pol.record_results(t, rows[mv], job.ok[mv], job.unmovable[mv], now, self.policy_cfg, dst=dst,
                                reason=job.reason[mv])
             t.flags[rows[mv[unt]]] |= np.uint8(F_NOT_PRESENT)
+            # What was just paged out is measured again with the next tick: a
+            # reader faults a hot block straight back in, and the table must
+            # say so (and _pageout_returns back it off) rather than count it
+            # in swap while the kernel has it in DRAM.
+            swap = self.topology.swap_tier
+            if swap is not None:
+                out = mv[job.ok[mv] & ~unt & (job.dst[mv] == swap.index)]
+                t.flags[rows[out]] |= np.uint8(F_STALE)
             # A failed or partial move leaves pages wherever they are: the
             # mover measured them; what it could not measure is measured next.
             failed = mv[~job.ok[mv]]
@@ -1329,6 +1337,8 @@ class Engine:
             pres = job.present[ms]
             if (t.tier[r] != measured).any() or ((flags[r] & np.uint8(F_NOT_PRESENT)) != 0).any():
                 self._dirty = True
+            if job.swap_index is not None:
+                self._pageout_returns(r, measured, job.swap_index, job.started)
             t.tier[r] = measured
             flags[r[pres]] &= np.uint8(~F_NOT_PRESENT & 0xFF)
             flags[r[~pres]] |= np.uint8(F_NOT_PRESENT)
@@ -1360,6 +1370,29 @@ class Engine:
         if suspect:
             self.check_mapping(sorted(suspect))
         self._record_placements()
+
+    def _pageout_returns(self, rows: np.ndarray, measured: np.ndarray, swap: int, at: float) -> None:
+        """Blocks the table has in swap since a pageout less than
+        return_window_s before this measurement, measured back in memory:
+        their reader faulted them straight back in. Paging them out again
+        would only repeat that (a quota held against a reader paged the same
+        hot blocks out 206 times in 20 s), so they are not moved for
+        return_backoff_s, doubled per return in a row; a block that stayed
+        out starts over."""
+        t, cfg = self.table, self.policy_cfg
+        was_out = t.tier[rows] == swap
+        recent = at - t.last_move[rows] <= cfg.return_window_s
+        back = rows[was_out & recent & (measured >= 0) & (measured != swap)]
+        t.returns[rows[was_out & ~recent & (measured == swap)]] = 0
+        if not back.size:
+            return
+        n = np.minimum(t.returns[back].astype(np.int64) + 1, np.iinfo(np.uint8).max)
+        t.returns[back] = n
+        delay = np.minimum(cfg.backoff_max_s, cfg.return_backoff_s * np.exp2(n - 1))
+        t.retry_at[back] = np.maximum(t.retry_at[back], self.clock() + delay)
+        self.stats.pageout_returns_total += int(back.size)
+        logs.event(log, "pageout_returned", blocks=int(back.size), backoff_s=float(delay.min()),
+                   max_backoff_s=float(delay.max()))
 
     # -- collect -----------------------------------------------------------
 

@@ -146,6 +146,9 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "kvtier_ticks": ("counter", (), "Policy ticks run."),
     "kvtier_tick_errors": ("counter", (), "Ticks that raised an error (the loop continued)."),
     "kvtier_ticks_skipped_busy": ("counter", (), "Ticks whose act phase was skipped: previous migration still running."),
+    "kvtier_pageout_returns": ("counter", (),
+                               "Blocks paged out that their reader faulted straight back in "
+                               "(each is backed off from moving again: policy.return_backoff_s)."),
     "kvtier_residency_scans": ("counter", (), "Residency measuring jobs (stale blocks whole, a rotating sample of the rest)."),
     "kvtier_residency_pages": ("counter", (), "Pages whose placement was asked (bounded by daemon.residency_pages_per_s)."),
     "kvtier_residency_blocks": ("counter", ("how",), "Blocks measured: whole (stale) or sampled (a window of pages)."),
@@ -395,6 +398,7 @@ class Collector:
                                 value=s.tick_seconds_last)
         for name, value in (("kvtier_ticks", s.ticks_total), ("kvtier_tick_errors", s.tick_errors_total),
                             ("kvtier_ticks_skipped_busy", s.ticks_skipped_busy),
+                            ("kvtier_pageout_returns", s.pageout_returns_total),
                             ("kvtier_residency_scans", s.residency_scans_total),
                             ("kvtier_residency_pages", s.residency_pages_total),
                             ("kvtier_residency_seconds", s.residency_seconds_sum)):

@@ -196,6 +196,11 @@ class PolicyConfig:
     backoff_max_s: float = 300.0
     unmovable_after: int = 8  # consecutive failures before F_UNMOVABLE
     unmovable_reprobe_s: float = 600.0  # an unmovable block is tried again after this long
+    # A block found back in memory this soon after its pageout came straight
+    # back (its reader faulted it in): it is not paged out again for
+    # return_backoff_s, doubling per return in a row (up to backoff_max_s).
+    return_window_s: float = 5.0
+    return_backoff_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not 0.0 < self.low_wm <= self.high_wm:

@@ -99,6 +99,7 @@ class DaemonStats:
     tick_seconds_hist: Histogram = field(default_factory=lambda: Histogram(TICK_BUCKETS))
     tick_errors_total: int = 0
     ticks_skipped_busy: int = 0  # act phase skipped: previous migration still running
+    pageout_returns_total: int = 0  # blocks paged out that their reader faulted straight back in
     migrations: collections.Counter = field(default_factory=collections.Counter)  # (src, dst) -> blocks
     migrated_bytes: collections.Counter = field(default_factory=collections.Counter)  # (src, dst) -> bytes
     migration_failed_pages: collections.Counter = field(default_factory=collections.Counter)  # (src, dst, errno) -> pages

@@ -10,7 +10,11 @@ what kvtierd and kvtierctl report:
   dropped, counted, and its owner's next request says why;
 - `kvtierctl migrate --wait`: pages the kernel will not page out (a forked
   sharer maps them, so MADV_PAGEOUT skips them every time) are retried a
-  bounded number of times and reported per reason, exit 4.
+  bounded number of times and reported per reason, exit 4;
+- thrash: a tenant quota with swap the only tier below DRAM, against a
+  reader that keeps reading every block: what is paged out comes straight
+  back; the daemon must notice, stop paging it out, and count in DRAM what
+  the kernel has in DRAM.
 
 Waits poll with a generous deadline; nothing asserts on elapsed time.
 """
@@ -22,6 +26,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import urllib.request
 
 import numpy as np
@@ -45,16 +50,21 @@ DEADLINE = 60.0
 wait_for = functools.partial(waiting.wait_for, timeout=DEADLINE, interval=0.1)
 
 
-@pytest.fixture
-def kvtierd(tmp_path, swapfile):
-    """kvtierd with room for everything in DRAM: only the operator moves."""
-    with acting(tmp_path, f"""\
+def roomy(tmp_path, policy: str = ""):
+    """kvtierd with room for everything in DRAM (plus ``policy`` lines)."""
+    return acting(tmp_path, f"""\
             tick_interval = 0.1
             residency_interval = 0.5
             [policy]
             capacity = {{ "0" = {16 * POOL} }}
             min_residence_s = 0.0
-            """, DEADLINE) as daemon:
+            """ + policy, DEADLINE)
+
+
+@pytest.fixture
+def kvtierd(tmp_path, swapfile):
+    """Only the operator moves."""
+    with roomy(tmp_path) as daemon:
         yield daemon
 
 
@@ -145,3 +155,44 @@ def test_migrate_wait_retries_and_reports_pages_the_kernel_kept(kvtierd):
         assert (rep["moved"], rep["failed"], rep["attempts"], rep["unmapped"]) == (15, 1, 3, 0)
         assert rep["failed_pages"] == {"NOT_PAGED_OUT": 8}
         assert rep["pages_moved"] == 16 * BLOCK // PAGE - 8
+
+
+@pytest.fixture
+def quota_kvtierd(tmp_path, swapfile):
+    """A tenant quota of half the pool in DRAM, DRAM itself roomy."""
+    with roomy(tmp_path, f"tenant_dram_quota = {{ team = {POOL // 2} }}\n") as daemon:
+        yield daemon
+
+
+def test_blocks_a_reader_faults_straight_back_are_not_paged_out_again(quota_kvtierd):
+    """Fails without the fix: the quota step paged the same hot blocks out
+    again every few ticks (the issue saw 206 pageouts in 20 s) and the
+    daemon counted them in swap while the kernel had them in DRAM. Here a
+    reader keeps reading all 16 blocks for 10 s while the quota asks for 8
+    of them out: each block that came back is counted once and backed off
+    (policy.return_backoff_s = 30 s), and the daemon's DRAM bytes are the
+    kernel's."""
+    d = quota_kvtierd
+    with KVChild(POOL) as child, Client(d.socket, name="test_pageout") as kv:
+        region = kv.register(addr=child.addr, length=POOL, block_size=BLOCK, name="pool", tenant="team",
+                             pid=child.pid)
+        assert child.ask(f"read 0 {POOL}") == "ok"
+        measured(region)
+        time.sleep(10)  # the reader goes on; a thrashing daemon pages out again and again meanwhile
+        out = metric(d.url, "kvtier_migrated_blocks_total", src="dram", dst="swap")
+        returns = metric(d.url, "kvtier_pageout_returns_total") or 0
+        failed = metric(d.url, "kvtier_migration_failed_pages_total", src="dram", dst="swap") or 0
+        # Each block at most once or so (a pageout the mover saw half done
+        # is retried with the policy's own backoff), never again and again.
+        assert 0 < out <= 16 + 4, (out, returns, failed)
+        assert returns >= out - 4, (out, returns, failed)
+
+        def agree():
+            # the daemon's DRAM bytes against the pages the kernel has present
+            kernel = int(resident_blocks(child.pid, child.addr, 16).sum()) * PAGE
+            ours = metric(d.url, "kvtier_tier_bytes", tier="dram")
+            return abs(kernel - ours) <= BLOCK and (kernel, ours)
+
+        kernel, ours = wait_for(agree, "the daemon's view to follow the kernel's")
+        assert kernel >= POOL - BLOCK  # the reader holds its blocks in
+        assert child.ask("stop").startswith("ok ")

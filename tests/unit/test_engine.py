@@ -51,6 +51,8 @@ class FakeKernel:
     ``hold``: op name -> Event the op waits on after doing its work (so a
     test can look at the engine while the move is half done; "residency"
     holds only the measuring thread's);
+    ``read``: pages a reader keeps reading: a pageout of them succeeds, and
+    by the next call they are back on node 0 (faulted in by the reader);
     ``unmap(first, n)``: pages no longer mapped (freed by the process):
     move_pages answers -EFAULT for them, and a move or pageout over any of
     them is refused whole (RangeNotMapped), as the real migrator does.
@@ -62,6 +64,8 @@ class FakeKernel:
     def __init__(self, npages: int):
         self.loc = np.zeros(npages, dtype=np.int64)  # every page on node 0
         self.mapped = np.ones(npages, dtype=bool)
+        self.read = np.zeros(npages, dtype=bool)  # pages a reader keeps reading (see comes_back)
+        self.back: np.ndarray | None = None  # paged-out pages its reader faults in before the next call
         self.stuck: set[int] = set()
         self.stuck_calls = 1 << 30  # how many more pageouts skip the stuck pages
         self.pinned: set[int] = set()
@@ -73,8 +77,15 @@ class FakeKernel:
         lay = page_layout(np.asarray(starts, dtype=np.uint64), lengths, PAGE)
         return lay, ((lay.addrs - np.uint64(BASE)) // np.uint64(PAGE)).astype(np.int64)
 
+    def _faults(self) -> None:
+        """The reader touched what was paged out under it since the last call."""
+        if self.back is not None:
+            self.loc[self.back] = 0
+            self.back = None
+
     def _enter(self, op: str, pid: int, starts, lengths=None) -> None:
         assert pid == PID
+        self._faults()
         self.calls.append((op, [int(s - BASE) // BLOCK for s in np.asarray(starts, dtype=np.uint64)]))
         if op in self.fail:
             raise os_error(self.fail[op], f"{op} pid={pid}")
@@ -95,12 +106,14 @@ class FakeKernel:
             assert ev.wait(10), f"{op} held for 10 s"
 
     def query_nodes(self, pid, addrs):
+        self._faults()
         idx = ((np.asarray(addrs, dtype=np.uint64) - np.uint64(BASE)) // np.uint64(PAGE)).astype(np.int64)
         loc = self.loc[idx]
         return np.where(~self.mapped[idx], -errno.EFAULT,
                         np.where(loc >= 0, loc, -errno.ENOENT)).astype(np.int32)
 
     def residency(self, pid, starts, lengths):
+        self._faults()
         lay, idx = self._pages(starts, lengths)
         loc = self.loc[idx]
         node_pages = lay.per_block(loc == 0)[:, None]
@@ -149,6 +162,7 @@ class FakeKernel:
         present = self.loc[idx] >= 0
         untouched = lay.per_block(self.loc[idx] != ABSENT) == 0
         self.loc[idx[present & ~skip]] = SWAP
+        self.back = idx[present & ~skip & self.read[idx]]
         left = present & skip
         errors = {"NOT_PAGED_OUT": int(left.sum())} if left.any() else {}
         ok = lay.per_block(left) == 0
@@ -665,3 +679,33 @@ def test_sources_replaced_by_a_reload_wait_for_the_collect_in_flight(rig):
     assert closed == ["old"] and r.engine.sources == [new] and new.targets >= 1
     assert r.engine.pace["fake"].slowdown == 1
     assert r.table.temp[r.rows()][1] > 0
+
+# -- thrash: a block paged out under its reader comes straight back (issue 13 item 6)
+
+
+def test_blocks_that_come_straight_back_are_not_paged_out_again_and_again(rig):
+    """A tenant quota of 4 blocks with swap the only tier below DRAM, and a
+    reader on all 8 blocks: every pageout succeeds and the reader faults
+    the pages straight back. Kills: the engine believing its pageouts
+    (it showed 4 blocks in DRAM while the kernel had 8) and paging the same
+    hot blocks out again every few ticks (206 times in 20 s on a host).
+    With the fix each block that came back is counted and backed off, and
+    the table says what the kernel says."""
+    r = rig(8, capacity={DRAM: 64 * BLOCK}, tenant_dram_quota={0: 4 * BLOCK})
+    r.kernel.read[: 8 * PPB] = True
+    r.settle()
+
+    def pageouts():
+        return sum(len(b) for op, b in r.kernel.calls if op == "pageout")
+
+    for _ in range(40):  # 20 s of ticks, every block read and hinted all along
+        r.hint(range(8))
+        r.tick()
+    r.kernel._faults()
+    in_dram = (r.kernel.loc[: 8 * PPB].reshape(8, PPB) == 0).all(axis=1)
+    assert in_dram.all()  # the reader keeps them in
+    assert r.tiers() == [DRAM] * 8  # and the daemon knows it
+    assert pageouts() <= 8, r.kernel.calls  # each block tried once, not again and again
+    assert r.stats.pageout_returns_total == pageouts()
+    rows = r.table.retry_at[r.rows()]
+    assert (rows > r.clock.now).sum() == pageouts()  # backed off from pageout
