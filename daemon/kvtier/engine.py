@@ -319,6 +319,7 @@ class Engine:
         self.last_tick = 0.0
         self.manual: list[ManualMove] = []
         self.tickets: dict[int, MoveTicket] = {}  # operator moves not finished
+        self._mapping_checked: dict[int, float] = {}  # region id -> last mapping check on EFAULT evidence
         self._next_ticket = 1
         # prefetch/release: (region ids, indices, destination tiers, requested at)
         self.scheduled: list[tuple[np.ndarray, np.ndarray, np.ndarray, float]] = []
@@ -525,6 +526,20 @@ class Engine:
             self._settle(int(tid), int(mine.sum()), outcome, int(pages[mine].sum()) if pages is not None else 0)
 
     # -- memory that goes away ---------------------------------------------
+
+    def _suspect_regions(self, region_ids, now: float) -> list[int]:
+        """Regions a measurement saw EFAULT in, at most one mapping check
+        per region per residency_interval: the shared zero page answers
+        EFAULT too, so a region of never-written blocks would otherwise be
+        checked (a pass over all its blocks) with every measuring job."""
+        out = []
+        for rid in region_ids:
+            if now - self._mapping_checked.get(rid, -math.inf) >= self.residency_interval:
+                self._mapping_checked[rid] = now
+                out.append(rid)
+        if len(self._mapping_checked) > 2 * max(16, len(self.registry.regions)):
+            self._mapping_checked = {k: v for k, v in self._mapping_checked.items() if k in self.registry.regions}
+        return out
 
     def check_mapping(self, region_ids) -> dict[int, np.ndarray | None]:
         """Which blocks of these regions are still mapped (one PROCMAP_QUERY
@@ -1367,8 +1382,9 @@ class Engine:
             self.check_placement(np.unique(job.region[ms]))
         suspect = set(job.region[job.efault & (rows >= 0)].tolist()) if job.efault is not None else set()
         suspect |= {r.id for r in self.registry.regions.values() if r.unmapped_blocks}
+        suspect = self._suspect_regions(sorted(suspect), self.clock()) if suspect else []
         if suspect:
-            self.check_mapping(sorted(suspect))
+            self.check_mapping(suspect)
         self._record_placements()
 
     def _pageout_returns(self, rows: np.ndarray, measured: np.ndarray, swap: int, at: float) -> None:

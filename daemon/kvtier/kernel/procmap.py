@@ -154,20 +154,27 @@ def mapped_blocks(pid: int, starts: np.ndarray, lengths: np.ndarray, proc_root: 
     ends = starts + np.broadcast_to(np.asarray(lengths, dtype=np.uint64), starts.shape)
     if starts.size == 0:
         return np.zeros(0, dtype=bool)
-    order = np.argsort(starts, kind="stable")
-    s, e = starts[order], ends[order]
+    # blocks of a region come sorted: no sort (a pass, not O(n log n) and copies)
+    order = None if starts.size < 2 or bool((starts[1:] >= starts[:-1]).all()) else np.argsort(starts, kind="stable")
+    s, e = (starts, ends) if order is None else (starts[order], ends[order])
     # contiguous runs of blocks: one walk each (blocks of one region are adjacent)
     brk = np.flatnonzero(s[1:] != e[:-1]) + 1
     firsts = np.concatenate(([0], brk))
     runs = list(zip(s[firsts].tolist(), np.maximum.reduceat(e, firsts).tolist()))
     spans = _spans(pid, runs, proc_root)
-    ok = np.zeros(starts.size, dtype=bool)
-    if spans.shape[0]:
+    if not spans.shape[0]:
+        return np.zeros(starts.size, dtype=bool)
+    if spans.shape[0] == 1:  # the usual case: one mapping holds the region
+        ok = (s >= spans[0, 0]) & (e <= spans[0, 1])
+    else:
         k = np.searchsorted(spans[:, 0], s, side="right") - 1
-        inside = k >= 0
         kk = np.maximum(k, 0)
-        ok[order] = inside & (e <= spans[kk, 1]) & (s >= spans[kk, 0])
-    return ok
+        ok = (k >= 0) & (e <= spans[kk, 1]) & (s >= spans[kk, 0])
+    if order is None:
+        return ok
+    out = np.empty(starts.size, dtype=bool)
+    out[order] = ok
+    return out
 
 
 class ProcProcesses:
