@@ -60,6 +60,9 @@ def test_allocate_lands_on_the_chosen_nodes_and_refuses_movable_for_pinned(kvtie
     # the caller's CPUs are node 0's: the reason names the distance it used
     assert on_far.placement["node"] == FAR_NODE and "distance" in on_far.placement["reason"]
     assert (nodes_of(on_far) == FAR_NODE).all()  # bound before the first touch, not moved after
+    # The engine pins it for real (io_uring fixed buffers: FOLL_LONGTERM):
+    # node 1's memory is not ZONE_MOVABLE, so the pin leaves it there.
+    ring = native.pin_longterm(native.iovecs(np.array([on_far.start], dtype=np.uint64), on_far.length))
     # The CXL node's memory is ZONE_MOVABLE: a pinned pool there would be
     # migrated out by the pin itself. Refused, with the reason.
     with pytest.raises(KvtierClientError) as e:
@@ -81,6 +84,13 @@ def test_allocate_lands_on_the_chosen_nodes_and_refuses_movable_for_pinned(kvtie
         time.sleep(0.1)
     with pytest.raises(KvtierClientError, match="pinned"):
         kv.request("migrate", region=on_far.id, tier=0)
+    assert (nodes_of(on_far) == FAR_NODE).all()
+    kv.request("measure", region=on_far.id)
+    wait_for(lambda: (on_far.query() == far["index"]).all(), "the pinned pool measured on the far tier",
+             timeout=30, interval=0.1)
+    listed = {r["name"]: r for r in kv.request("regions")["regions"]}
+    assert listed["far-pinned"]["placement_lost"] == 0
+    native.unpin_longterm(ring)
 
 
 def test_prefetch_brings_a_far_pool_to_dram_without_waiting_for_the_policy(kvtierd):
