@@ -575,7 +575,11 @@ class Client:
                     self.reconnects += 1
                 except (DaemonUnavailable, ConnectionError, socket.timeout):
                     return
-            self._poll_answers()
+            # Answers are read once half the in-flight window is used, not
+            # per batch: a read is a system call the engine pays for, and the
+            # daemon's answers to hints are a few dozen bytes each.
+            if len(self._in_flight) >= MAX_IN_FLIGHT // 2 or self._engine:
+                self._poll_answers()
             self._push_hints(block=False)
         except (ConnectionError, BrokenPipeError, socket.timeout):
             # The daemon went away: the queued hints wait for the next call's
@@ -609,43 +613,64 @@ class Client:
                 self._in_flight[rid] = op
                 sock.sendall(data)
             return
-        sock.setblocking(False)
         try:
             while True:
                 if self._wpartial:
-                    sent = sock.send(self._wpartial)
+                    sent = self._write_now(self._wpartial)
                     self._wpartial = self._wpartial[sent:]
                     if self._wpartial:
                         return
                 if not self._hint_queue or len(self._in_flight) >= MAX_IN_FLIGHT:
                     return
                 data, rid, n, op = self._hint_queue[0]
-                sent = sock.send(data)  # BlockingIOError: nothing sent, frame stays queued
+                sent = self._write_now(data)  # BlockingIOError: nothing sent, frame stays queued
                 self._hint_queue.popleft()
                 self._hint_queued -= n
                 self._in_flight[rid] = op
                 self._wpartial = data[sent:]
         except BlockingIOError:
             return
+
+    # A socket with a timeout is non-blocking at the OS level (that is how
+    # Python implements timeouts; see the socket module's notes on
+    # timeouts), so a write or read that must not wait is one system call
+    # on its fd; only a socket without timeout is switched back and forth.
+
+    def _write_now(self, data: bytes) -> int:
+        """Bytes of ``data`` the socket takes without waiting (BlockingIOError: none)."""
+        sock = self.sock
+        if self.timeout is not None:
+            return os.write(sock.fileno(), data)
+        sock.setblocking(False)
+        try:
+            return sock.send(data)
         finally:
-            sock.settimeout(self.timeout)
+            sock.setblocking(True)
+
+    def _read_now(self) -> bytes:
+        """What has arrived, without waiting (BlockingIOError: nothing; b"": closed)."""
+        sock = self.sock
+        if self.timeout is not None:
+            return os.read(sock.fileno(), 1 << 20)
+        sock.setblocking(False)
+        try:
+            return sock.recv(1 << 20)
+        finally:
+            sock.setblocking(True)
 
     def _poll_answers(self) -> None:
         """Collect the answers that have arrived, without waiting for any."""
         sock = self.sock
         if sock is None or not (self._in_flight or self._engine):
             return
-        sock.setblocking(False)
         try:
             while True:
-                chunk = sock.recv(1 << 20)
+                chunk = self._read_now()
                 if not chunk:
                     raise ConnectionResetError(_errno.ECONNRESET, "kvtierd closed the connection")
                 self._rbuf += chunk
         except BlockingIOError:
             pass
-        finally:
-            sock.settimeout(self.timeout)
         buf = self._rbuf
         while len(buf) >= protocol.HEADER_SIZE:
             (size,) = protocol.HEADER.unpack_from(buf, 0)

@@ -374,15 +374,17 @@ def test_client_splits_hint_batches_above_the_frame_limit(workdir):
         assert d.stop() == 0
 
 
-def test_hint_batches_copy_at_once_and_mix_counts(daemon):
-    """The client's pending-hint array: a caller that reuses its array right
+@pytest.mark.parametrize("timeout", [10.0, None])
+def test_hint_batches_copy_at_once_and_mix_counts(daemon, timeout):
+    """The client's pending hints: a caller that reuses its array right
     after hint() must not change what is sent; lists, 2-D arrays, counted and
-    uncounted hints share one batch; the batch grows past its first 1024."""
+    uncounted hints share one batch. With and without a socket timeout (the
+    client writes hints without waiting either way)."""
     import mmap as _mmap
 
     import numpy as np
 
-    c = daemon.client(hint_batch=1 << 20, hint_interval=3600)
+    c = daemon.client(hint_batch=1 << 20, hint_interval=3600, timeout=timeout)
     buf = _mmap.mmap(-1, 4096 * 4096)
     r = c.register(buf, block_size=4096)
     ids = np.array([1, 2])
@@ -391,7 +393,7 @@ def test_hint_batches_copy_at_once_and_mix_counts(daemon):
     r.hint([3])
     r.hint(np.array([[4], [5]]))
     r.hint([6], counts=[5])
-    r.hint(np.arange(100, 2100))  # past the first 1024 entries, after counts appeared
+    r.hint(np.arange(100, 2100))  # after counts appeared: counts of 1 are filled in
     assert c.stats()["block_hints_total"] == 0  # all still pending
     assert c.flush() == []
     assert c.stats()["block_hints_total"] == 2 + 1 + 2 + 1 + 2000
