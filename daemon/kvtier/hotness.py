@@ -130,7 +130,10 @@ class Temperature:
             f = np.float32(self.factor(dt))
             temp, fresh = table.temp, table.fresh
             temp *= f
-            fresh[fresh < _RESTART] *= f
+            # In place under a mask: every column-sized temporary is a fresh
+            # mmap in the daemon (daemon.bound_heap), a page fault per 4 KiB
+            # of it every tick, and faults are what grows with the host's load.
+            np.multiply(fresh, f, out=fresh, where=fresh < _RESTART)
             self._silence(table, now)
             self.interval = dt
         if self.last_decay is None or now > self.last_decay:
@@ -141,13 +144,16 @@ class Temperature:
         if self.end_of_run <= 0:
             return
         temp = table.temp
-        idle = now - table.last_access - self.interval
-        rows = np.flatnonzero((idle > 0) & (temp > 0))
+        # Rows first, by one-byte masks; the float64 idle time only for them
+        # (over the whole table it cost two 8-byte-per-block temporaries,
+        # i.e. page faults, every tick: see decay).
+        rows = np.flatnonzero((table.last_access < now - self.interval) & (temp > 0))
         if rows.size == 0:
             return
+        idle = now - table.last_access[rows] - self.interval
         fresh = table.fresh[rows].astype(np.float64)
         window = self.tau_s * np.maximum(1.0 - fresh, 1e-9)  # seconds of reads the count stands for
-        over = rows[temp[rows] * np.log1p(idle[rows] / window) > self.end_of_run]
+        over = rows[temp[rows] * np.log1p(idle / window) > self.end_of_run]
         temp[over] = 0.0
         table.fresh[over] = _RESTART
 
