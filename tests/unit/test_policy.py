@@ -644,3 +644,18 @@ def test_a_prefix_popular_long_ago_goes_before_a_turn_that_just_ended():
     t.temp[2] = 50.0
     p, _ = plan(t.snapshot(), tiers(2), cfg(high_wm=1.0, low_wm=1.0), PolicyState(), 3600.0)
     assert p.rows[p.dst == 1].tolist() == [0] and p.rows[p.dst == 0].tolist() == [2]
+
+
+def test_promotions_leave_dram_the_room_measured_allocations_need():
+    # 2 blocks/s of new blocks land in DRAM by first touch: filling it to
+    # the high watermark with promotions would send them to CXL.
+    t = make_table(12, tier=1)
+    t.temp[:] = 50.0
+    st = PolicyState(promote_tokens=1e12, demote_tokens=1e12, last_now=99.0, last_total=12 * BS, inflow_bps=2 * BS)
+    p, st2 = plan(t.snapshot(), tiers(10), cfg(high_wm=1.0, low_wm=0.5), st, 100.0)
+    room = st2.headroom(cfg(high_wm=1.0, low_wm=0.5))
+    assert 0 < room < 3 * BS
+    assert int((p.dst == 0).sum()) == 10 - int(np.ceil(room / BS))
+    # no allocations measured: DRAM fills to the watermark
+    p0, _ = plan(t.snapshot(), tiers(10), cfg(high_wm=1.0, low_wm=0.5), PolicyState(), 100.0)
+    assert int((p0.dst == 0).sum()) == 10
