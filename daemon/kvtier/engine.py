@@ -322,7 +322,10 @@ class Engine:
         self._mapping_checked: dict[int, float] = {}  # region id -> last mapping check on EFAULT evidence
         self._next_ticket = 1
         # prefetch/release: (region ids, indices, destination tiers, requested at)
-        self.scheduled: list[tuple[np.ndarray, np.ndarray, np.ndarray, float]] = []
+        # (region ids, block indices, destination tiers, asked at, timed): timed
+        # is False for the daemon's own prefetches, which are not a client's
+        # scheduler hint and stay out of its request-to-residency histogram.
+        self.scheduled: list[tuple[np.ndarray, np.ndarray, np.ndarray, float | np.ndarray, bool | np.ndarray]] = []
         self.loop = loop
         self.engine_moves = EngineMoves(table, stats, clock)
         self._rng = np.random.default_rng(seed)
@@ -663,7 +666,7 @@ class Engine:
             "job_running": self.mover.busy,
             "workers": {w.name: w.busy for w in (self.mover, self.measurer, self.collector)},
             "manual_moves_pending": sum(int(m[0].size) for m in self.manual),
-            "scheduled_moves_pending": sum(int(r.size) for r, _, _, _ in self.scheduled),
+            "scheduled_moves_pending": sum(int(e[0].size) for e in self.scheduled),
             **self.engine_moves.status(),
             "stale_blocks": int(np.count_nonzero(self.table.flags & F_STALE)),
             "source_cpu_budget": self.source_cpu_budget,
@@ -685,7 +688,7 @@ class Engine:
 
     # -- scheduler hints -------------------------------------------------
 
-    def schedule(self, rows: np.ndarray, kind: str) -> dict:
+    def schedule(self, rows: np.ndarray, kind: str, *, timed: bool = True) -> dict:
         """prefetch (to tier 0) or release (one tier down) ``rows``: moved in
         the event loop's next turn once the mover is free, not at the next
         tick, but paid from the policy's own token buckets. Returns what was
@@ -712,7 +715,7 @@ class Engine:
         if go.any():
             sel = rows[go]
             self.scheduled.append((t.region[sel].astype(np.int64), t.index[sel].astype(np.int64),
-                                   dst[go].astype(np.int8), self.clock()))
+                                   dst[go].astype(np.int8), self.clock(), timed))
             self.loop.call_soon(self.kick)
         return {"queued": int(go.sum()), "already": int(there.sum()), "skipped": int((~movable).sum())}
 
@@ -746,17 +749,18 @@ class Engine:
         regions = np.concatenate([e[0] for e in self.scheduled])
         indices = np.concatenate([e[1] for e in self.scheduled])
         dst = np.concatenate([e[2] for e in self.scheduled])
-        asked = np.concatenate([np.full(e[0].size, e[3]) for e in self.scheduled])
+        asked = np.concatenate([np.broadcast_to(np.float64(e[3]), e[0].shape) for e in self.scheduled])
+        timed = np.concatenate([np.broadcast_to(np.bool_(e[4]), e[0].shape) for e in self.scheduled])
         self.scheduled.clear()
         rows = t.rows_of(regions, indices)
         # the last request for a block wins (a release after a prefetch)
         _, last = np.unique(rows[::-1], return_index=True)
         keep = rows.size - 1 - last
         keep = keep[rows[keep] >= 0]
-        rows, dst, asked = rows[keep], dst[keep], asked[keep]
+        rows, dst, asked, timed = rows[keep], dst[keep], asked[keep], timed[keep]
         src = t.tier[rows].copy()
         go = (dst != src) & (src >= 0)
-        rows, dst, asked, src = rows[go], dst[go], asked[go], src[go]
+        rows, dst, asked, timed, src = rows[go], dst[go], asked[go], timed[go], src[go]
         if rows.size == 0:
             return None
         # The policy's token buckets, one per direction, oldest request
@@ -778,14 +782,14 @@ class Engine:
         if not fits.all():
             w = ~fits
             self.scheduled.append((t.region[rows[w]].astype(np.int64), t.index[rows[w]].astype(np.int64),
-                                   dst[w], float(asked[w].min())))
-        rows, dst, asked, src = rows[fits], dst[fits], asked[fits], src[fits]
+                                   dst[w], asked[w].copy(), timed[w].copy()))
+        rows, dst, asked, timed, src = rows[fits], dst[fits], asked[fits], timed[fits], src[fits]
         kernel = self._to_engines(rows, src, dst)
-        rows, dst, asked, src = rows[kernel], dst[kernel], asked[kernel], src[kernel]
+        rows, dst, asked, timed, src = rows[kernel], dst[kernel], asked[kernel], timed[kernel], src[kernel]
         if rows.size == 0:
             return None
         return MoveJob.of_rows(t, rows, src, dst, now, plan_pos=np.full(rows.size, -1, dtype=np.int64),
-                               requested_at=asked)
+                               requested_at=np.where(timed, asked, np.nan))
 
     # -- the tick --------------------------------------------------------
 
@@ -1111,7 +1115,7 @@ class Engine:
         self._follow_tickets(job, live)
         if job.requested_at is not None:
             # Scheduler hints, measured: from the request to the block in its tier.
-            done = mv[job.ok[mv]]
+            done = mv[job.ok[mv] & ~np.isnan(job.requested_at[mv])]
             for waited, up in zip(now - job.requested_at[done], job.dst[done] < job.src[done]):
                 st.observe_scheduled("prefetch" if up else "release", float(waited))
         if self.scheduled:
@@ -1508,7 +1512,7 @@ class Engine:
         if moving is not None and rows.size:  # already on their way in
             rows = rows[~np.isin(rows, t.rows_of(moving.region, moving.index))]
         if rows.size:
-            self.stats.fault_prefetch_blocks_total += self.schedule(rows, "prefetch")["queued"]
+            self.stats.fault_prefetch_blocks_total += self.schedule(rows, "prefetch", timed=False)["queued"]
 
     def _pace(self, source, cost: tuple[float, float | None], now: float) -> None:
         """Per-source cost control: share of one core = (CPU in collect +
