@@ -145,7 +145,9 @@ def test_pending_moves_are_dropped_when_the_engine_disconnects(swapfile, workdir
             engine.close_socket()  # the engine's connection goes; the process stays
             wait_for(lambda: observer.status()["engine"]["engine_moves_pending"] == 0, "pending moves dropped")
             st = observer.stats()
-            assert st["engine_moves_dropped_total"] == sent
+            # Every move sent was dropped, none answered: a tick may have sent
+            # more between the read above and the close, so compare totals.
+            assert st["engine_moves_dropped_total"] == st["engine_moves_sent_total"] >= sent
             assert st["migrations"].get(f"0:{slow}", 0) == 0  # nothing recorded without an answer
             blocks = observer.request("blocks", region=region.id)
             assert np.frombuffer(blocks["tiers"], dtype="i1").tolist() == [0] * (2 * DRAM_SLOTS)

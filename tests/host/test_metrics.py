@@ -214,7 +214,7 @@ def test_perf_fault_samples_and_source_events_are_scraped(kvtierd):
     swap (twice paged out, so no page is left in the swap cache, see
     kvchild.page_out) is registered, its owner reads four blocks back,
     and the scrape counts their major faults as perf_fault samples; the
-    four blocks after them (hotness.perf_fault.prefetch_blocks, default 4),
+    blocks after them (up to hotness.perf_fault.prefetch_blocks, default 4),
     never read, are paged in ahead of the reader."""
     from test_perf_host import majflt
 
@@ -242,8 +242,12 @@ def test_perf_fault_samples_and_source_events_are_scraped(kvtierd):
         assert m.value("kvtier_source_events_total", source="perf_fault", event="lost") == 0
         assert m.value("kvtier_source_events_total", source="perf_fault", event="unmatched") == 0
         assert m.value("kvtier_source_events_total", source="damon", event="sysfs_busy_retries") == 0
-        wait_for(lambda: list(region.query()[8:12]) == [0] * 4, "blocks 8-11 paged in ahead")
-        assert scrape(kvtierd.url).value("kvtier_fault_prefetch_blocks_total") >= 4
+        # Which collect sees which fault depends on timing: if one collect sees
+        # only block 4's faults, 5-8 come in ahead and the reader's later blocks
+        # take no major fault, so nothing asks for 9-11. Block 8, after the last
+        # block read, is paged in either way, and nothing past 11 (4 after 7).
+        wait_for(lambda: region.query()[8] == 0, "block 8 paged in ahead of the reader")
+        assert scrape(kvtierd.url).value("kvtier_fault_prefetch_blocks_total") >= 1
         assert list(region.query()[12:]) == [1] * 4
 
 
