@@ -507,6 +507,11 @@ class _Tick:
         self.known = (tier >= 0) & (tier < T)
         absent = (flags & F_NOT_PRESENT) != 0
         backoff = snap["retry_at"] > now
+        # A block its reader faulted straight back in after a pageout (the
+        # engine's pageout returns) is barred from swap until retry_at, not
+        # from every move: it is being read, so promoting it is exactly right.
+        returned = backoff & (snap["returns"] > 0) if "returns" in snap else np.zeros_like(backoff)
+        backoff &= ~returned
         unmovable = (flags & F_UNMOVABLE) != 0
         if "stuck" in snap:
             # The kernel's refusal is re-probed once retry_at has passed
@@ -519,7 +524,7 @@ class _Tick:
         recent = now - snap["last_move"] < cfg.min_residence_s
         self.settled = self.actionable & ~self.pinned & ~recent
         self.keep = (flags & F_KEEP_DRAM) != 0
-        self.never_swap = (flags & F_NEVER_SWAP) != 0
+        self.never_swap = ((flags & F_NEVER_SWAP) != 0) | returned
         self.pin_tier = snap["pin_tier"].astype(np.int64)
         target = np.array([cfg.target_bytes(t) for t in tiers])
         self.high, self.low = target * cfg.high_wm, target * cfg.low_wm
@@ -795,6 +800,8 @@ def record_results(
     why[moved] = STUCK_NONE
     bad = rows[~ok]
     if bad.size:
+        if ("returns" in table) if isinstance(table, Mapping) else hasattr(table, "returns"):
+            _field(table, "returns")[bad] = 0  # a failed move backs off every move, not only pageout
         fc = np.minimum(fail_count[bad].astype(np.int64) + 1, np.iinfo(np.uint16).max)
         fail_count[bad] = fc
         delay = np.minimum(cfg.backoff_max_s, cfg.backoff_base_s * np.exp2(np.minimum(fc - 1, 62)))
