@@ -800,8 +800,7 @@ def record_results(
     why[moved] = STUCK_NONE
     bad = rows[~ok]
     if bad.size:
-        if ("returns" in table) if isinstance(table, Mapping) else hasattr(table, "returns"):
-            _field(table, "returns")[bad] = 0  # a failed move backs off every move, not only pageout
+        _field(table, "returns")[bad] = 0  # a failed move backs off every move, not only pageout
         fc = np.minimum(fail_count[bad].astype(np.int64) + 1, np.iinfo(np.uint16).max)
         fail_count[bad] = fc
         delay = np.minimum(cfg.backoff_max_s, cfg.backoff_base_s * np.exp2(np.minimum(fc - 1, 62)))
