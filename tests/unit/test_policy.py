@@ -659,3 +659,18 @@ def test_promotions_leave_dram_the_room_measured_allocations_need():
     # no allocations measured: DRAM fills to the watermark
     p0, _ = plan(t.snapshot(), tiers(10), cfg(high_wm=1.0, low_wm=0.5), PolicyState(), 100.0)
     assert int((p0.dst == 0).sum()) == 10
+
+
+def test_a_block_faulted_back_after_a_pageout_is_barred_from_swap_only():
+    """The engine's pageout-return backoff (returns > 0, retry_at ahead): the
+    block is being read, so it is promoted like any hot block, and only a move
+    to swap waits for retry_at (a bar on every move held a hot set on CXL)."""
+    t = make_table(2, tier=1, temp=10.0)
+    t.returns[0], t.retry_at[0] = 1, 40.0
+    p, _ = plan(t.snapshot(), tiers(100), cfg(), PolicyState(), 10.0)
+    assert sorted(p.rows.tolist()) == [0, 1] and p.dst.tolist() == [0, 0]
+    # Cold and over a full DRAM and CXL: the returned block is not paged out.
+    t = make_table(2, tier=1, temp=0.0)
+    t.returns[0], t.retry_at[0] = 1, 40.0
+    p, _ = plan(t.snapshot(), tiers(0, cxl_blocks=0, swap_blocks=100), cfg(), PolicyState(), 10.0)
+    assert p.rows[p.dst == 2].tolist() == [1]
