@@ -674,3 +674,42 @@ def test_a_block_faulted_back_after_a_pageout_is_barred_from_swap_only():
     t.returns[0], t.retry_at[0] = 1, 40.0
     p, _ = plan(t.snapshot(), tiers(0, cxl_blocks=0, swap_blocks=100), cfg(), PolicyState(), 10.0)
     assert p.rows[p.dst == 2].tolist() == [1]
+
+
+def test_allocations_beyond_the_migrator_build_a_backlog_that_decays():
+    # 8 blocks/s of allocations against demote_mbps of 4 blocks/s: 4 blocks
+    # a second the migrator could not have made room for as they came.
+    c = cfg(demote_mbps=4 * BS / MIB)
+    st = PolicyState().refill(c, 0.0, BS, 0.0)
+    for s in range(1, 11):
+        st = st.refill(c, float(s), BS, s * 8.0 * BS)
+    assert st.backlog == pytest.approx(40 * BS)
+    assert st.backlog_peak == pytest.approx(40 * BS)
+    # the rate falls below the migrator's: the queue drains, its peak is remembered
+    for s in range(11, 31):
+        st = st.refill(c, float(s), BS, 80.0 * BS + (s - 10) * 2.0 * BS)
+    assert st.backlog == 0.0
+    assert 0.5 * 40 * BS < st.backlog_peak < 40 * BS
+
+
+def test_a_backlog_of_allocations_is_made_room_for_from_finished_blocks_only():
+    # DRAM of 10 at 9: 5 finished blocks (temperature 0, one of them a prefix
+    # with many runs) and 4 read ones. A backlog of 6 blocks asks for DRAM at
+    # 4: the finished ones go, least likely to be reused first, below the low
+    # watermark (0.8); the read ones stay.
+    t = make_table(9)
+    t.temp[:5] = 0.0
+    t.temp[5:] = 1.0  # warm, but below demote_temp: the cold step stops at the low watermark
+    t.fresh[:5] = 1.0
+    t.last_access[:] = 90.0
+    t.runs[:5] = [1, 1, 9, 1, 1]
+    c = cfg(high_wm=1.0, low_wm=0.8, demote_temp=2.0, promote_temp=3.0)
+    st = PolicyState(promote_tokens=1e12, demote_tokens=1e12, last_now=99.0, last_total=9 * BS, backlog_peak=6 * BS)
+    p, _ = plan(t.snapshot(), tiers(10), c, st, 100.0)
+    # 9 - 5 = 4 blocks meets the goal: all five finished ones, the prefix last
+    assert sorted(p.rows.tolist()) == [0, 1, 2, 3, 4] and np.all(p.dst == 1)
+    assert int(p.rows[-1]) == 2
+    # no backlog: down to the low watermark (8 blocks) only, one block
+    st0 = PolicyState(promote_tokens=1e12, demote_tokens=1e12, last_now=99.0, last_total=9 * BS)
+    p0, _ = plan(t.snapshot(), tiers(10), c, st0, 100.0)
+    assert len(p0) == 1 and int(p0.rows[0]) in {0, 1, 3, 4}
