@@ -41,8 +41,19 @@ def parse_modules_dep(moddir: Path) -> dict[str, tuple[str, list[str]]]:
     return table
 
 
-def load_order(table: dict[str, tuple[str, list[str]]], wanted: tuple[str, ...]) -> list[str]:
-    """Module paths in an order where every dependency precedes its user."""
+def parse_builtin(moddir: Path) -> set[str]:
+    """Names of the modules built into the kernel (modules.builtin)."""
+    try:
+        text = (moddir / "modules.builtin").read_text()
+    except FileNotFoundError:
+        return set()
+    return {os.path.basename(line).split(".ko")[0].replace("-", "_") for line in text.split()}
+
+
+def load_order(table: dict[str, tuple[str, list[str]]], wanted: tuple[str, ...],
+               builtin: frozenset[str] | set[str] = frozenset()) -> list[str]:
+    """Module paths in an order where every dependency precedes its user;
+    modules built into the kernel (build-kernel.sh's) need no loading."""
     by_path = {path: deps for path, deps in table.values()}
     order: list[str] = []
 
@@ -55,6 +66,8 @@ def load_order(table: dict[str, tuple[str, list[str]]], wanted: tuple[str, ...])
 
     for name in wanted:
         key = name.replace("-", "_")
+        if key in builtin and key not in table:
+            continue
         if key not in table:
             raise SystemExit(f"mkinitramfs: module {name} not in modules.dep (built in, or wrong kernel?)")
         visit(table[key][0])
@@ -78,7 +91,7 @@ def main() -> int:
     modroot, kver, init_script, out = sys.argv[1:5]
     moddir = Path(modroot) / "lib" / "modules" / kver
     table = parse_modules_dep(moddir)
-    order = load_order(table, EARLY_MODULES)
+    order = load_order(table, EARLY_MODULES, parse_builtin(moddir))
     with tempfile.TemporaryDirectory(prefix="kvtier-initramfs-") as tmp:
         root = Path(tmp)
         for d in ("bin", "dev", "proc", "sys", "lower", "rw", "newroot", "modules"):
@@ -93,7 +106,9 @@ def main() -> int:
             name = f"{i:02d}-{os.path.basename(rel).split('.ko')[0]}.ko"
             decompress(src, root / "modules" / name)
             names.append(name)
-        (root / "modules" / "order").write_text("\n".join(names) + "\n")
+        # One name a line; empty for a kernel with everything built in
+        # (init's loop would otherwise insmod a blank name).
+        (root / "modules" / "order").write_text("".join(n + "\n" for n in names))
         files = subprocess.run(
             ["find", ".", "-mindepth", "1"], cwd=root, check=True, capture_output=True, text=True
         ).stdout

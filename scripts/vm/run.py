@@ -24,6 +24,11 @@ with far memory beside each socket (for per-process far-node affinity):
 Nodes 2 and 3 look alike from their own socket, so kvtier makes them one
 far tier of two nodes.
 
+--kernel idle boots the kernel scripts/vm/build-kernel.sh builds instead of
+Debian's: the same 6.12 source, all built in, plus idle page tracking
+(/sys/kernel/mm/page_idle, which no Debian kernel has); the guest sees
+KVTIER_VM_KERNEL. Also $KVTIER_VM_KERNEL=idle.
+
 --systemd boots the host's own systemd as PID 1 after the same set-up, and
 COMMAND runs as a unit once basic.target is up (scripts/vm/systemd/sdguest.py).
 
@@ -99,14 +104,29 @@ class Unavailable(Exception):
     """The host cannot run the guest (no QEMU, no prepared kernel)."""
 
 
-def cache_dir() -> Path:
-    env = os.environ.get("KVTIER_VM_CACHE")
-    if env:
-        return Path(env)
-    system = Path("/var/cache/kvtier-vm")
+def cache_dir(name: str = "kvtier-vm", env: str = "KVTIER_VM_CACHE") -> Path:
+    """A guest-kernel cache: $env, else /var/cache/NAME where its script
+    (prepare.sh, build-kernel.sh) made it, else ~/.cache/NAME."""
+    given = os.environ.get(env)
+    if given:
+        return Path(given)
+    system = Path("/var/cache") / name
     if (system / "current").exists():
         return system
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvtier-vm"
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / name
+
+
+# Guest kernels run.py can boot (--kernel, or $KVTIER_VM_KERNEL):
+#   stock  bookworm-backports' 6.12 (linux-image-*-amd64), unpacked by
+#          prepare.sh with its modules; what every test uses by default.
+#   idle   the same 6.12 source built by build-kernel.sh with everything the
+#          test-bed needs built in, plus CONFIG_IDLE_PAGE_TRACKING (no Debian
+#          kernel has it); for the access-bit source's page_idle mechanism.
+KERNELS = ("stock", "idle")
+
+
+class KernelNotBuilt(Unavailable):
+    """The idle kernel is not built here (scripts/vm/build-kernel.sh)."""
 
 
 @dataclass
@@ -117,24 +137,40 @@ class GuestImage:
     modules: Path
 
     @classmethod
-    def find(cls) -> "GuestImage":
-        """The kernel and initramfs scripts/vm/prepare.sh left in the cache."""
-        cache = cache_dir()
-        current = cache / "current"
-        if not current.exists():
-            raise Unavailable(f"no guest kernel in {cache} (run scripts/vm/prepare.sh)")
-        kver = current.read_text().split()[0]
+    def find(cls, kernel: str = "stock") -> "GuestImage":
+        """The kernel and initramfs prepare.sh (stock) or build-kernel.sh
+        (idle) left in its cache."""
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown guest kernel {kernel!r} (have: {', '.join(KERNELS)})")
+        if kernel == "idle":
+            cache = cache_dir("kvtier-vm-idle", "KVTIER_VM_IDLE_CACHE")  # beside the stock one
+            current = cache / "current"
+            if not current.exists():
+                raise KernelNotBuilt(f"no idle guest kernel in {cache} (scripts/vm/build-kernel.sh builds it)")
+            kver, build = current.read_text().split()[:2]
+            kdir = cache / build
+            missing = KernelNotBuilt
+            fix = "scripts/vm/build-kernel.sh"
+        else:
+            cache = cache_dir()
+            current = cache / "current"
+            if not current.exists():
+                raise Unavailable(f"no guest kernel in {cache} (run scripts/vm/prepare.sh)")
+            kver = current.read_text().split()[0]
+            kdir = cache / kver
+            missing = Unavailable
+            fix = "scripts/vm/prepare.sh"
         img = cls(
             kver=kver,
-            kernel=cache / kver / "boot" / f"vmlinuz-{kver}",
+            kernel=kdir / "boot" / f"vmlinuz-{kver}",
             # Named by the hash of what built it, so an edited init is never
             # booted from a stale image.
-            initrd=cache / kver / f"initramfs-{initramfs_hash()}.cpio.gz",
-            modules=cache / kver / "lib" / "modules" / kver,
+            initrd=kdir / f"initramfs-{initramfs_hash()}.cpio.gz",
+            modules=kdir / "lib" / "modules" / kver,
         )
         for p in (img.kernel, img.initrd, img.modules / "modules.dep"):
             if not p.exists():
-                raise Unavailable(f"guest image missing or out of date: no {p} (run scripts/vm/prepare.sh)")
+                raise missing(f"guest image missing or out of date: no {p} (run {fix})")
         return img
 
 
@@ -278,6 +314,7 @@ def boot(
     max_timeout: float | None = None,
     stall: float | None = None,
     shape: str = "default",
+    kernel: str | None = None,
 ) -> GuestResult:
     """Boot the guest, run ``cmd``, return how it went. Never raises for guest failures.
 
@@ -287,7 +324,8 @@ def boot(
     log = log or share / "console.log"
     try:
         qemu = find_qemu()
-        img = GuestImage.find()
+        kernel = kernel or os.environ.get("KVTIER_VM_KERNEL") or "stock"
+        img = GuestImage.find(kernel)
     except Unavailable as e:
         return GuestResult("unavailable", 125, console_log=str(log), reason=str(e))
 
@@ -301,7 +339,7 @@ def boot(
         cmd = sdguest.wrap(cmd)
     if shape not in SHAPES:
         raise ValueError(f"unknown guest shape {shape!r} (have: {', '.join(SHAPES)})")
-    write_run_sh(share, img, cmd, cwd or os.getcwd(), {"KVTIER_VM_SHAPE": shape, **(env or {})})
+    write_run_sh(share, img, cmd, cwd or os.getcwd(), {"KVTIER_VM_SHAPE": shape, "KVTIER_VM_KERNEL": kernel, **(env or {})})
 
     with tempfile.TemporaryDirectory(prefix="kvtier-vm-") as tmp:
         disk = Path(tmp) / "swap.img"
@@ -464,6 +502,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="deterministic guest clock, 2**SHIFT ns per instruction (benchmarks on a busy host)")
     ap.add_argument("--shape", choices=SHAPES, default="default",
                     help="the guest's NUMA layout (two-socket: see above)")
+    ap.add_argument("--kernel", choices=KERNELS, default=os.environ.get("KVTIER_VM_KERNEL") or "stock",
+                    help="guest kernel: stock (Debian's 6.12) or idle (built by build-kernel.sh, with page_idle)")
     ap.add_argument("cmd", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
@@ -472,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     share = a.share or Path(tempfile.mkdtemp(prefix="kvtier-share-"))
     env = dict(kv.split("=", 1) for kv in a.env)
     res = boot(cmd, share.resolve(), a.timeout, a.log, a.cwd, env, a.verbose, a.systemd, sys.stdout, a.icount,
-               a.max_timeout, a.stall, a.shape)
+               a.max_timeout, a.stall, a.shape, a.kernel)
     (share / "result.json").write_text(json.dumps({k: v for k, v in asdict(res).items() if k != "tail"}, indent=1))
     timing = ""
     if res.boot_seconds is not None:

@@ -211,6 +211,7 @@ def test_run_limits_scale_with_the_reported_slowness_up_to_the_cap():
 def _pytest(tmp_path, *args, ci: str | None = None):
     env = {k: v for k, v in os.environ.items() if k not in ("CI", "KVTIER_IN_VM")}
     env["KVTIER_VM_CACHE"] = str(tmp_path / "no-guest-here")
+    env["KVTIER_VM_IDLE_CACHE"] = str(tmp_path / "no-idle-kernel-here")
     if ci is not None:
         env["CI"] = ci
     return subprocess.run(
@@ -232,6 +233,47 @@ def test_missing_guest_skips_except_under_ci(tmp_path, ci, outcome):
     assert f"{outcome}" in r.stdout, r.stdout
     assert "VM test-bed unavailable: no guest kernel in" in r.stdout
     assert r.returncode == (0 if ci is None else 1), r.stdout
+
+
+@pytest.mark.parametrize("ci", [None, "true"])
+def test_idle_kernel_tests_skip_where_it_is_not_built_also_under_ci(tmp_path, ci):
+    # Building it takes longer than CI can spend (docs/benchmarks.md), so a
+    # missing idle kernel is a skip that names the script, never a failure.
+    node = "tests/vm/test_accessbits_vm.py::test_kernel_idle_bits_follow_reads_and_the_probe_picks_them"
+    r = _pytest(tmp_path, node, ci=ci)
+    assert "SKIPPED" in r.stdout and r.returncode == 0, r.stdout
+    assert "guest kernel 'idle' not built: no idle guest kernel in" in r.stdout, r.stdout
+    assert "scripts/vm/build-kernel.sh builds it" in r.stdout, r.stdout
+
+
+def test_idle_image_found_from_build_kernels_cache_layout(tmp_path, monkeypatch):
+    cache = tmp_path / "idle"
+    kver, build = "6.12.95-kvtier-idle", "0123456789ab"
+    kdir = cache / build
+    (kdir / "boot").mkdir(parents=True)
+    (kdir / "boot" / f"vmlinuz-{kver}").write_bytes(b"k")
+    (kdir / "lib" / "modules" / kver).mkdir(parents=True)
+    (kdir / "lib" / "modules" / kver / "modules.dep").write_text("")
+    (cache / "current").write_text(f"{kver}\n{build}\n")
+    monkeypatch.setenv("KVTIER_VM_IDLE_CACHE", str(cache))
+    with pytest.raises(run_py.KernelNotBuilt, match="initramfs-"):
+        run_py.GuestImage.find("idle")
+    (kdir / f"initramfs-{run_py.initramfs_hash()}.cpio.gz").write_bytes(b"i")
+    img = run_py.GuestImage.find("idle")
+    assert (img.kver, img.kernel, img.modules) == (kver, kdir / "boot" / f"vmlinuz-{kver}", kdir / "lib/modules" / kver)
+    with pytest.raises(ValueError, match="unknown guest kernel"):
+        run_py.GuestImage.find("bogus")
+
+
+def test_initramfs_skips_early_modules_built_into_the_kernel(tmp_path):
+    mk = _load("kvtier_mkinitramfs", VM_SCRIPTS / "mkinitramfs.py")
+    moddir = tmp_path
+    (moddir / "modules.dep").write_text("kernel/fs/overlayfs/overlay.ko.xz:\n")
+    (moddir / "modules.builtin").write_text("kernel/net/9p/9pnet.ko\nkernel/net/9p/9pnet_virtio.ko\nkernel/fs/9p/9p.ko\n")
+    table = mk.parse_modules_dep(moddir)
+    assert mk.load_order(table, mk.EARLY_MODULES, mk.parse_builtin(moddir)) == ["kernel/fs/overlayfs/overlay.ko.xz"]
+    with pytest.raises(SystemExit, match="9pnet_virtio not in modules.dep"):
+        mk.load_order(table, mk.EARLY_MODULES)
 
 
 def test_a_vm_tests_own_timeout_marker_never_times_out_its_host_proxy(tmp_path):
