@@ -76,9 +76,9 @@ TAIL_LINES = 40
 MODES = {"vm": [], "vmsystemd": ["--systemd"], "vm2s": ["--shape", "two-socket"], "vmidle": ["--kernel", "idle"]}
 # Modes whose kernel scripts/setup.sh does not provide: where it is not
 # built, their tests skip with the reason, under CI too. The idle kernel
-# (idle page tracking; scripts/vm/build-kernel.sh) took 35+ minutes to build
-# on the 2-core development host (docs/benchmarks.md), too much for CI's
-# fresh clone; where it is in the cache, CI runs its tests like any other.
+# (idle page tracking; scripts/vm/build-kernel.sh) takes longer to build on
+# a 2-core host than CI can spend on it (docs/benchmarks.md, "Hotness
+# sources"); where it is in the cache, CI runs its tests like any other.
 OPTIONAL_KERNELS = {"vmidle": "idle"}
 
 
