@@ -25,8 +25,9 @@ Modes, each with a fresh workload process:
                 read after each pass.
   kvtier_damon  the same without hints: DAMON vaddr (and perf faults) only.
 
-Measured every second: the fraction of the current hot set's pages on node 0
-(move_pages query) and pool bytes on node 0; over the run: /proc/vmstat
+Measured every --sample-s (0.25 s): the fraction of the current hot set's
+pages on node 0 (move_pages query), and about every second the pool bytes on
+node 0; over the run: /proc/vmstat
 migration counters (pgmigrate_success = pages moved by any migration,
 pgpromote_success, numa_*), DAMOS sz_applied per scheme, and CPU seconds of
 the workload process (numa_balancing's hinting faults are charged to it) and
@@ -48,6 +49,10 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent.parent
+# The kvtier of this checkout, in this process and in the kvtierd it starts
+# (a copy of the tree can then be run while the tree itself changes).
+sys.path.insert(0, str(REPO / "daemon"))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "daemon"), os.environ.get("PYTHONPATH")]))
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "scripts" / "vm"))
 
@@ -184,7 +189,7 @@ class Kvtierd:
 
     DRAM_TARGET = 96 * MiB
 
-    def __init__(self):
+    def __init__(self, log_level: str = "info"):
         from kvtier.kernel import topology
 
         self.dir = Path(tempfile.mkdtemp(prefix="kvtier-cmp-"))
@@ -198,6 +203,7 @@ class Kvtierd:
             "[daemon]\n"
             f'socket = "{self.sock}"\n'
             'state_file = ""\n'
+            f'log_level = "{log_level}"\n'
             "[policy]\n"
             f'capacity = {{ "0" = {self.DRAM_TARGET} }}\n'
             f"[topology]\ntiers = [{order}]\n"
@@ -211,6 +217,14 @@ class Kvtierd:
                 raise SystemExit("kvtierd did not start:\n" + (self.dir / "kvtierd.log").read_text()[-3000:])
             time.sleep(0.1)
 
+    def spy(self, out: Path) -> None:
+        """Sample its stacks with py-spy (collapsed stacks, thread ids, 50 Hz,
+        without pausing it) until stop(): where its CPU goes."""
+        exe = Path(sys.executable).parent / "py-spy"
+        self.spy_proc = subprocess.Popen([str(exe), "record", "--pid", str(self.proc.pid), "--format", "raw",
+                                          "--rate", "50", "--threads", "--nonblocking", "--output", str(out)],
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
     def sources(self) -> dict:
         from kvtier.client import Client
 
@@ -218,6 +232,11 @@ class Kvtierd:
             return c.request("status").get("engine", {}).get("sources", {})
 
     def stop(self) -> str:
+        """Stop it; returns its whole log."""
+        spy = getattr(self, "spy_proc", None)
+        if spy is not None:
+            spy.send_signal(2)  # py-spy writes its file on SIGINT
+            spy.wait(timeout=60 * speed.current())
         self.proc.send_signal(15)
         try:
             self.proc.wait(timeout=60 * speed.current())
@@ -225,14 +244,18 @@ class Kvtierd:
             self.proc.kill()
             self.proc.wait()
         self.log.close()
-        return (self.dir / "kvtierd.log").read_text()[-2000:]
+        return (self.dir / "kvtierd.log").read_text()
+
+
+log_dir: Path | None = None  # (guest) where each kvtierd's whole log is written: the share
+py_spy = False  # (guest) --py-spy: profile each kvtierd into log_dir
 
 
 def _noop(ids) -> None:
     """What hint() is compared with: a call that does nothing."""
 
 
-def run_mode(mode: str, seconds: float) -> dict:
+def run_mode(mode: str, seconds: float, log_level: str = "info", sample_s: float = 0.25) -> dict:
     from kvchild import KVChild
     from kvtier.kernel import native
 
@@ -264,7 +287,10 @@ def run_mode(mode: str, seconds: float) -> dict:
         if mode.startswith("kvtier"):
             from kvtier.client import Client
 
-            daemon = Kvtierd()
+            daemon = Kvtierd(log_level)
+            registering = time.time()
+            if py_spy and log_dir is not None:
+                daemon.spy(log_dir / f"kvtierd-{mode}.pyspy.txt")
             client = Client(str(daemon.sock), name="vm_tiering_compare", timeout=60 * speed.current())
             region = client.register(addr=child.addr, length=POOL, block_size=BLOCK, pid=child.pid,
                                      name="pool")
@@ -317,6 +343,8 @@ def run_mode(mode: str, seconds: float) -> dict:
         kcpu0 = damos.cpu() if damos else (cpu_seconds(daemon.proc.pid) if daemon else 0.0)
         th = threading.Thread(target=touch, daemon=True)
         series = []
+        pool_every = max(1, round(1.0 / sample_s))
+        wall_start = time.time()  # the daemon log's clock: where t = 0 is in it
         start = time.monotonic()
         th.start()
         switched = False
@@ -328,14 +356,12 @@ def run_mode(mode: str, seconds: float) -> dict:
                 hot["first"] = PHASES[1]
                 switched = True
             hs = native.move_pages(child.pid, hot_addrs(hot["first"]), None)
-            ps = native.move_pages(child.pid, addrs, None)
-            series.append({
-                "t": round(now, 2),
-                "phase": int(switched),
-                "hot_on_dram": round(float((hs == DRAM).mean()), 4),
-                "pool_mib_on_dram": round(float((ps == DRAM).sum()) * page / MiB, 1),
-            })
-            time.sleep(max(0.0, 1.0 - (time.monotonic() - start - now)))
+            point = {"t": round(now, 2), "phase": int(switched), "hot_on_dram": round(float((hs == DRAM).mean()), 4)}
+            if len(series) % pool_every == 0:  # the whole pool's query costs 8x the hot set's
+                ps = native.move_pages(child.pid, addrs, None)
+                point["pool_mib_on_dram"] = round(float((ps == DRAM).sum()) * page / MiB, 1)
+            series.append(point)
+            time.sleep(max(0.0, sample_s - (time.monotonic() - start - now)))
         stop.set()
         th.join(timeout=60 * speed.current())
         vm1, cpu1 = vmstat(), cpu_seconds(child.pid)
@@ -344,6 +370,7 @@ def run_mode(mode: str, seconds: float) -> dict:
             extra = damos.applied()
             extra["kdamond_cpu_s"] = round(damos.cpu() - kcpu0, 2)
         if daemon:
+            extra["register_at_s"] = round(registering - wall_start, 3)
             extra["kvtierd_cpu_s"] = round(cpu_seconds(daemon.proc.pid) - kcpu0, 2)
             extra["sources"] = daemon.sources()
             # what the daemon itself accounted to its kdamond(s), stopped ones included
@@ -365,6 +392,7 @@ def run_mode(mode: str, seconds: float) -> dict:
         delta = {k: vm1.get(k, 0) - vm0.get(k, 0) for k in VMSTAT_KEYS}
         return {
             "mode": mode,
+            "wall_start": wall_start,
             "setup_move_s": round(setup_s, 2),
             "pool_on_far_at_start": round(on_far, 4),
             "touch_rounds": rounds[0],
@@ -391,7 +419,10 @@ def run_mode(mode: str, seconds: float) -> dict:
             except Exception as e:  # the run's numbers are already taken
                 print(f"{mode}: unregister failed: {e}", flush=True)
         if daemon:
-            print(f"{mode}: kvtierd log tail:\n{daemon.stop()}", flush=True)
+            text = daemon.stop()
+            print(f"{mode}: kvtierd log tail:\n{text[-2000:]}", flush=True)
+            if log_dir is not None:
+                (log_dir / f"kvtierd-{mode}.log").write_text(text)
         write(NUMA_BALANCING, 0)
         child.close()
 
@@ -399,8 +430,11 @@ def run_mode(mode: str, seconds: float) -> dict:
 def guest_main(args) -> None:
     out = {"kernel": os.uname().release, "seconds": args.seconds, "pool_mib": POOL // MiB,
            "hot_mib": HOT_BLOCKS * BLOCK // MiB, "modes": []}
+    global log_dir, py_spy
+    log_dir = Path(args.out).parent
+    py_spy = args.py_spy
     for mode in args.modes:
-        out["modes"].append(run_mode(mode, args.seconds))
+        out["modes"].append(run_mode(mode, args.seconds, args.daemon_log_level, args.sample_s))
         print(f"{mode}: done", flush=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
 
@@ -416,7 +450,7 @@ def time_to(series: list[dict], phase: int, frac: float) -> float | None:
     t0 = pts[0]["t"]
     for p in pts:
         if p["hot_on_dram"] >= frac:
-            return round(p["t"] - t0, 1)
+            return round(p["t"] - t0, 2)
     return None
 
 
@@ -461,11 +495,15 @@ def table(res: dict) -> str:
 
 
 def host_main(args) -> None:
-    res = guestjob.run(Path(__file__).resolve(), ["--seconds", str(args.seconds), "--modes", *args.modes],
+    res = guestjob.run(Path(__file__).resolve(), ["--seconds", str(args.seconds), "--modes", *args.modes,
+                                                  "--daemon-log-level", args.daemon_log_level,
+                                                  "--sample-s", str(args.sample_s),
+                                                  *(["--py-spy"] if args.py_spy else [])],
                        "tiering.json", timeout=120 + len(args.modes) * (args.seconds + 60), save=args.json)
     print(f"kernel {res['kernel']}, pool {res['pool_mib']} MiB on node 1 at start, hot set {res['hot_mib']} MiB, "
           f"{res['seconds']} s per mode, hot set moves at half time")
     print(table(res))
+    print(f"guest share (kvtierd logs): {res['share']}")
 
 
 def main() -> None:
@@ -473,6 +511,12 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=30.0, help="run length per mode")
     ap.add_argument("--modes", nargs="+",
                     default=["none", "numa_tiering", "damos_paddr", "kvtier_hints", "kvtier_damon"])
+    ap.add_argument("--sample-s", type=float, default=0.25,
+                    help="seconds between samples of the hot set's placement (the pool's: about every second)")
+    ap.add_argument("--daemon-log-level", default="info", choices=("debug", "info", "warning"),
+                    help="kvtierd's log level (debug: its job and plan events, to see where a phase's time goes)")
+    ap.add_argument("--py-spy", action="store_true",
+                    help="profile each kvtierd with py-spy (collapsed stacks in the guest share)")
     guestjob.add_args(ap)
     args = ap.parse_args()
     if args.in_guest:

@@ -34,6 +34,7 @@ def run(script: Path, args: list[str], name: str, timeout: float, save: str | No
     if r.returncode != 0 or not out.exists():
         sys.exit(f"guest run failed (status {r.returncode}); console in {share}")
     res = json.loads(out.read_text())
+    res.setdefault("share", str(share))  # where the guest left anything else (logs)
     if save:
         Path(save).write_text(json.dumps(res, indent=1))
     return res
