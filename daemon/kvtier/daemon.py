@@ -128,6 +128,7 @@ class Daemon:
             residency_sample_pages=d.residency_sample_pages, source_cpu_budget=d.source_cpu_budget,
             sources=self.sources, availability=self.availability, recorder=self.recorder,
         )
+        self.registry.on_added, self.registry.on_hinted = self.engine.registered, self.engine.hinted
         self.hotplug = uevents.TopologyFollower(self.engine, self.stats, lambda: topo_mod.discover(
             d.sys_root, d.proc_root, topology_overrides(self.cfg), hotplug=True))
         self.uevents = uevents.UeventListener(loop, self.hotplug.on_burst)

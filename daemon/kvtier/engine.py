@@ -45,8 +45,8 @@ import numpy as np
 
 from kvtier import logs
 from kvtier import policy as pol
-from kvtier.blocks import (FIELDS, F_ENGINE, F_KEEP_DRAM, F_NEVER_SWAP, F_NOT_PRESENT, F_STALE, F_UNMOVABLE,
-                           TIER_UNKNOWN, BlockTable, Slice)
+from kvtier.blocks import (FIELDS, F_ENGINE, F_KEEP_DRAM, F_MANUAL_PIN, F_NEVER_SWAP, F_NOT_PRESENT, F_STALE,
+                           F_UNMOVABLE, TIER_UNKNOWN, BlockTable, Slice)
 from kvtier.engine_moves import EngineMoves
 from kvtier.errors import InvalidArgument, KvtierError, RangeNotMapped
 from kvtier.hotness import Temperature
@@ -258,6 +258,11 @@ class _Worker:
         return self.future is not None
 
 
+def _job_blocks(job: Any) -> int:
+    region = getattr(job, "region", None)
+    return int(region.size) if region is not None else 0
+
+
 @dataclass
 class SourcePace:
     """How often a hotness source runs, and what it has cost."""
@@ -354,6 +359,15 @@ class Engine:
         self._targets_slices: dict[int, Slice] = {}
         self._hinted_regions: frozenset[int] = frozenset()
         self._hinted_at = (-1, -1)
+        # Event-driven work between ticks: regions just registered whose
+        # blocks get a first look, a measurement wanted as soon as the
+        # measurer is free, and hot rows seen in a lower tier waiting for
+        # the next loop turn (with the registry generation they belong to).
+        self._first_look: list[int] = []
+        self._measure_soon = False
+        self._hot_rows: list[np.ndarray] = []
+        self._hot_gen = -1
+        self._hot_queued = False
         if recorder is not None:
             recorder.config(self.tier_states(), self.policy_cfg)  # a recording starts with what is in force
 
@@ -728,6 +742,117 @@ class Engine:
         if job is not None:
             self._submit(self.mover, self._run_move, self._finish_move, job)
 
+    # -- between ticks: registrations, hints, observations ----------------
+
+    def registered(self, region_id: int) -> None:
+        """A region was just added: its blocks get a first look (a window of
+        pages each) in the event loop's next turn, not at the next tick."""
+        self._first_look.append(region_id)
+        self.loop.call_soon(self.measure_soon)
+
+    def hinted(self, rows: np.ndarray, unsure: bool) -> None:
+        """Hints for ``rows`` were just added to their temperatures
+        (``unsure``: some of them are not known to be present, and are
+        F_STALE): measure those as soon as the measurer is free, and
+        promote the hinted blocks found in a lower tier in the next turn."""
+        if unsure:
+            self.measure_soon()
+        self._hot_soon(rows)
+
+    def measure_soon(self) -> None:
+        """Hand the measurer the first looks and the stale blocks now if it
+        is idle (else its finish calls back here); the rotating sample stays
+        with the ticks."""
+        if self.measurer.busy or not self.topology.tiers or len(self.table) == 0:
+            self._measure_soon = bool(len(self.table))
+            return
+        self._measure_soon = False
+        job = self._build_measure(self.clock(), sample=False)
+        if job is not None:
+            self._submit(self.measurer, self._run_measure, self._finish_measure, job)
+
+    def _hot_soon(self, rows: np.ndarray) -> None:
+        """Queue rows just hinted, observed or placed for ``_promote_hot``
+        in the next loop turn (one look for all that arrive in a turn)."""
+        if rows.size == 0 or len(self.topology.tiers) < 2:
+            return
+        lower = rows[self.table.tier[rows] > 0]
+        if lower.size == 0:
+            return
+        if self._hot_gen != self.registry.generation:
+            self._hot_rows.clear()  # rows of another table layout
+            self._hot_gen = self.registry.generation
+        self._hot_rows.append(lower)
+        if not self._hot_queued:
+            self._hot_queued = True
+            self.loop.call_soon(self._promote_hot)
+
+    def _promote_hot(self) -> None:
+        """Blocks hot enough for the policy to promote, in a lower tier, go
+        to DRAM now if DRAM has room for them (below what the policy fills
+        it to, less what is on its way there): as a prefetch, paid from the
+        same token buckets. Exchanges with colder residents and everything
+        else stay with the tick's plan. Work per queued row, not per block:
+        DRAM's use is summed only when some row qualifies."""
+        self._hot_queued = False
+        rows, self._hot_rows = self._hot_rows, []
+        if not rows or self._hot_gen != self.registry.generation:
+            return
+        t, cfg = self.table, self.policy_cfg
+        tiers = self.topology.tiers
+        rows = np.unique(np.concatenate(rows))
+        rows = rows[rows < len(t)]
+        now = self.clock()
+        tier = t.tier[rows]
+        flags = t.flags[rows]
+        ok = (tier > 0) & (tier < len(tiers))
+        ok &= (flags & np.uint8(F_UNMOVABLE | F_NOT_PRESENT | F_MANUAL_PIN)) == 0
+        # as the policy's settled blocks: not backing off (a block faulted
+        # straight back after a pageout is barred from swap only), not moved
+        # within min_residence_s
+        ok &= (t.retry_at[rows] <= now) | (t.returns[rows] > 0)
+        ok &= now - t.last_move[rows] >= cfg.min_residence_s
+        if cfg.tenant_dram_quota:
+            ok &= ~np.isin(t.tenant[rows], np.fromiter(cfg.tenant_dram_quota, dtype=np.int64))
+        rows = rows[ok]
+        if rows.size == 0:
+            return
+        eff = pol.effective_temp({"temp": t.temp[rows], "fresh": t.fresh[rows], "flags": t.flags[rows]}, cfg)
+        hot = eff >= cfg.promote_temp
+        rows, eff = rows[hot], eff[hot]
+        if rows.size == 0:
+            return
+        states = self.tier_states()
+        room = pol.fill_bytes(states[0], cfg, self.pstate) - states[0].used_bytes - self._bytes_to_dram()
+        if states[0].free_bytes is not None:
+            room = min(room, float(states[0].free_bytes) - self._bytes_to_dram())
+        order = np.argsort(-eff, kind="stable")
+        rows = rows[order]
+        fits = np.cumsum(t.nbytes[rows].astype(np.float64)) <= room
+        rows = rows[fits]
+        if rows.size == 0:
+            return
+        self.stats.hot_promotions_total += int(rows.size)
+        self.scheduled.append((t.region[rows].astype(np.int64), t.index[rows].astype(np.int64),
+                               np.zeros(rows.size, dtype=np.int8), now, False))
+        self.kick()
+
+    def _bytes_to_dram(self) -> float:
+        """Bytes on their way into tier 0 and not yet counted there: the
+        mover's job and the queued scheduler hints."""
+        t = self.table
+        total = 0.0
+        job = self.mover.job
+        if isinstance(job, MoveJob) and job.region.size:
+            up = (job.dst == 0) & (job.src > 0)
+            total += float(job.nbytes[up].sum())
+        for regions, indices, dst, _, _ in self.scheduled:
+            r = t.rows_of(regions, indices)
+            sel = (r >= 0) & (dst == 0)
+            r = r[sel]
+            total += float(t.nbytes[r][t.tier[r] > 0].sum())
+        return total
+
     def _to_engines(self, rows: np.ndarray, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
         """Send the moves of engine-mode blocks to their owners; returns the
         mask of rows that stay for the kernel (move_pages / swap)."""
@@ -842,6 +967,7 @@ class Engine:
                 self._submit(self.collector, self._run_collect, self._finish_collect, job)
 
     def _submit(self, worker: _Worker, run, finish, job) -> None:
+        t_submit = time.monotonic()
         fut = worker.executor.submit(run, job)
         worker.future = fut
         worker.job = job
@@ -850,6 +976,9 @@ class Engine:
         def done(f: Future) -> None:
             worker.future = None
             worker.job = None
+            if log.isEnabledFor(logging.DEBUG):
+                logs.event(log, "job_done", logging.DEBUG, worker=worker.name, blocks=_job_blocks(job),
+                           seconds=round(time.monotonic() - t_submit, 4))
             exc = f.exception()
             if exc is not None:
                 self.stats.tick_errors_total += 1
@@ -929,6 +1058,8 @@ class Engine:
         rows, dst, pos, src, ticket = rows[go], dst[go], pos[go], src[go], ticket[go]
         if len(plan):
             self._dirty = True  # the plan may have been cut by its budget: look again next tick
+            logs.event(log, "planned", logging.DEBUG, moves=len(plan), promote_bytes=plan.promote_bytes,
+                       demote_bytes=plan.demote_bytes)
         kernel = self._to_engines(rows, src, dst)
         self._settle_rows(ticket, ~kernel, "engine")  # the engine answers with move_done
         engine_pos = pos[~kernel & (pos >= 0)]
@@ -1190,8 +1321,9 @@ class Engine:
 
     # -- measure -----------------------------------------------------------
 
-    def _build_measure(self, now: float) -> MeasureJob | None:
-        """Stale blocks in full, then the rotating sample, within the budget.
+    def _build_measure(self, now: float, sample: bool = True) -> MeasureJob | None:
+        """First looks at regions just registered, stale blocks in full,
+        then (``sample``) the rotating sample, within the budget.
 
         The budget is in pages (one move_pages status each, plus a pagemap
         entry for full blocks): what a pass costs the kernel and us. At the
@@ -1206,6 +1338,12 @@ class Engine:
         self._last_measure_at = now
         urgent = self._urgent
         budget = URGENT_JOB_PAGES if urgent else self.residency_pages_per_s * dt
+        S = max(1, int(self.residency_sample_pages))
+        # 0. regions just registered: a window of pages of each of their
+        #    blocks (of their first second of budget; the rotating sample
+        #    finds the rest), so the hints that follow find blocks whose tier
+        #    is known. Paid apart from the budget: once per registration.
+        look_rows = self._first_look_rows(int(self.residency_pages_per_s // S))
         # 1. stale blocks, whole, in row order from a cursor; at most 3/4 of
         #    the budget so the rotating sample always advances
         full_rows = np.zeros(0, dtype=np.int64)
@@ -1226,8 +1364,7 @@ class Engine:
         # 2. the rotating sample: the next blocks after the cursor, a window
         #    of sample pages each, so every block is looked at once per
         #    residency_interval when the budget allows
-        S = max(1, int(self.residency_sample_pages))
-        want = max(math.ceil(n * dt / self.residency_interval), MIN_SAMPLE_BLOCKS) if not urgent else 0
+        want = max(math.ceil(n * dt / self.residency_interval), MIN_SAMPLE_BLOCKS) if sample and not urgent else 0
         k2 = int(max(0, min(n, want, budget // S)))
         win_rows = np.zeros(0, dtype=np.int64)
         if k2:
@@ -1241,9 +1378,12 @@ class Engine:
                 self.stats.residency_passes_total += 1
                 self.stats.residency_pass_seconds = now - self._pass_started
                 self._pass_started = now
-            if full_rows.size:
-                win_rows = win_rows[~np.isin(win_rows, full_rows)]
+            if full_rows.size or look_rows.size:
+                win_rows = win_rows[~np.isin(win_rows, np.concatenate([full_rows, look_rows]))]
             win_rows = win_rows[(t.flags[win_rows] & np.uint8(F_ENGINE)) == 0]
+        if look_rows.size:
+            look_rows = look_rows[~np.isin(look_rows, full_rows)] if full_rows.size else look_rows
+            win_rows = np.concatenate([look_rows, win_rows])
         rows = np.concatenate([full_rows, win_rows])
         if rows.size == 0:
             return None
@@ -1264,6 +1404,20 @@ class Engine:
             addr=addr, nbytes=nbytes, full=full, window=window, lut=topo.node_tier_lut(),
             ntiers=len(topo.tiers), swap_index=None if swap is None else swap.index, started=now,
         )
+
+    def _first_look_rows(self, max_blocks: int) -> np.ndarray:
+        """Rows of the regions registered since the last measurement whose
+        tier is not known yet, at most ``max_blocks`` of each."""
+        t = self.table
+        parts = []
+        for rid in self._first_look:
+            sl = t.slices.get(rid)
+            if sl is None:
+                continue
+            r = np.arange(sl.start, min(sl.stop, sl.start + max(1, max_blocks)), dtype=np.int64)
+            parts.append(r[(t.tier[r] < 0) & ((t.flags[r] & np.uint8(F_ENGINE)) == 0)])
+        self._first_look.clear()
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
     def _stale_rows(self, want: int) -> tuple[np.ndarray, bool]:
         """Up to ``want`` F_STALE rows from the stale cursor on (wrapping once),
@@ -1354,8 +1508,10 @@ class Engine:
             r = rows[ms]
             measured = job.measured_tier[ms]
             pres = job.present[ms]
-            if (t.tier[r] != measured).any() or ((flags[r] & np.uint8(F_NOT_PRESENT)) != 0).any():
+            changed = t.tier[r] != measured
+            if changed.any() or ((flags[r] & np.uint8(F_NOT_PRESENT)) != 0).any():
                 self._dirty = True
+                self._hot_soon(r[changed])
             if job.swap_index is not None:
                 self._pageout_returns(r, measured, job.swap_index, job.started)
             t.tier[r] = measured
@@ -1379,6 +1535,7 @@ class Engine:
                 t.tier[r[new]] = wt[new]
                 flags[r[new]] &= np.uint8(~F_NOT_PRESENT & 0xFF)
                 self._dirty = True
+                self._hot_soon(r[new])
         # EFAULT: no page there (freed under the daemon) or the shared zero
         # page (never written): the mappings tell them apart. Regions already
         # partly unmapped are looked at again (the owner may map it back).
@@ -1390,6 +1547,8 @@ class Engine:
         if suspect:
             self.check_mapping(suspect)
         self._record_placements()
+        if self._measure_soon or self._first_look:
+            self.loop.call_soon(self.measure_soon)
 
     def _pageout_returns(self, rows: np.ndarray, measured: np.ndarray, swap: int, at: float) -> None:
         """Blocks the table has in swap since a pageout less than
@@ -1491,6 +1650,9 @@ class Engine:
             unsure = r[((t.flags[r] & np.uint8(F_NOT_PRESENT)) != 0) | (t.tier[r] < 0)]
             t.flags[unsure] |= np.uint8(F_STALE)
             self._dirty = True
+            if unsure.size:
+                self.measure_soon()
+            self._hot_soon(r)
             if obs.prefetch.size:
                 pf = obs.prefetch if job.generation == self.registry.generation else \
                     t.rows_of(*_keys_of(job.slices, obs.prefetch))

@@ -139,6 +139,8 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "kvtier_migration_duration_seconds": ("histogram", (), "Wall time of one migration job (a plan's moves)."),
     "kvtier_fault_prefetch_blocks": ("counter", (), "Blocks in swap paged in ahead of a reader: the "
                                      "hotness.perf_fault.prefetch_blocks after one that took major faults."),
+    "kvtier_hot_promotions": ("counter", (), "Blocks hinted or observed hot in a lower tier and promoted into "
+                              "free DRAM room between ticks (without waiting for the next plan)."),
     "kvtier_prefetch_duration_seconds": ("histogram", (), "Time from a prefetch request to the block being in tier 0."),
     "kvtier_release_duration_seconds": ("histogram", (), "Time from a release request to the block being one tier down."),
     "kvtier_tick_duration_seconds": ("histogram", (), "Wall time of one policy tick (snapshot, plan, act)."),
@@ -388,6 +390,8 @@ class Collector:
         yield _histogram("kvtier_migration_duration_seconds", s.migration_seconds_hist)
         yield CounterMetricFamily("kvtier_fault_prefetch_blocks", METRICS["kvtier_fault_prefetch_blocks"][2],
                                   value=s.fault_prefetch_blocks_total)
+        yield CounterMetricFamily("kvtier_hot_promotions", METRICS["kvtier_hot_promotions"][2],
+                                  value=s.hot_promotions_total)
         yield _histogram("kvtier_prefetch_duration_seconds", s.prefetch_seconds_hist)
         yield _histogram("kvtier_release_duration_seconds", s.release_seconds_hist)
 

@@ -479,6 +479,17 @@ def _group_cumsum(groups: np.ndarray, vals: np.ndarray) -> np.ndarray:
     return out
 
 
+def fill_bytes(tier: TierState, cfg: PolicyConfig, state: PolicyState) -> float:
+    """What a tier may be filled to by promotions: its high watermark, and
+    for DRAM (index 0), where new blocks land, less the room the next
+    burst_s of them needs (never below the low watermark)."""
+    target = cfg.target_bytes(tier)
+    high = target * cfg.high_wm
+    if tier.index != 0:
+        return high
+    return max(target * cfg.low_wm, min(high, target - state.headroom(cfg)))
+
+
 def _swap_tiers(tiers: Sequence[TierState]) -> np.ndarray:
     return np.array([t.kind == "swap" for t in tiers], dtype=bool)
 
@@ -541,11 +552,7 @@ class _Tick:
         self.pin_tier = snap["pin_tier"].astype(np.int64)
         target = self.target = np.array([cfg.target_bytes(t) for t in tiers])
         self.high, self.low = target * cfg.high_wm, target * cfg.low_wm
-        # What tier t may be filled to: the high watermark, and for DRAM, where
-        # new blocks land, less the room the next burst_s of them needs.
-        self.fill = self.high.copy()
-        if T:
-            self.fill[0] = max(self.low[0], min(self.high[0], target[0] - state.headroom(cfg)))
+        self.fill = np.array([fill_bytes(t, cfg, state) for t in tiers])
         self.state = state
         self.b = _Builder(snap, T, state)
         # Why each block stays, most specific last (a later rule overrides).

@@ -158,6 +158,11 @@ class Registry:
         self.watcher = watcher
         self.processes = processes
         self.on_change = on_change or (lambda: None)
+        # The engine's between-tick hooks (daemon.build wires them): a region
+        # added (its blocks get a first look), hints folded in (rows, and
+        # whether some are not known present).
+        self.on_added: Callable[[int], None] = lambda region_id: None
+        self.on_hinted: Callable[[np.ndarray, bool], None] = lambda rows, unsure: None
         self.clock = clock
         self.regions: dict[int, Region] = {}
         self.by_pid: dict[int, set[int]] = {}
@@ -290,6 +295,7 @@ class Registry:
         self.generation += 1
         self._gauges()
         self.on_change()
+        self.on_added(region_id)
         logs.event(log, "region_registered", region=region_id, pid=pid, name=name, tenant=tenant,
                    bytes=length, blocks=nblocks, block_size=block_size)
         return reg
@@ -423,6 +429,7 @@ class Registry:
         unsure = rows[((t.flags[rows] & np.uint8(F_NOT_PRESENT)) != 0) | (t.tier[rows] < 0)]
         t.flags[unsure] |= np.uint8(F_STALE)
         n = int(blocks.size)
+        logs.event(log, "hinted", logging.DEBUG, region=region_id, blocks=n, unplaced=int(unsure.size))
         if self.recorder is not None:
             self.recorder.hint(region_id, blocks, counts)
         self.regions[region_id].block_hints += n
@@ -432,6 +439,7 @@ class Registry:
                            weights=None if counts is None else counts.astype(np.float64))
         for i in np.flatnonzero(hits):
             self.stats.hint_tier_blocks[int(i) - 2] += int(hits[i])
+        self.on_hinted(rows, bool(unsure.size))
         return n
 
     def phase(self, region_id: int, phase: str, blocks: np.ndarray | None) -> int:

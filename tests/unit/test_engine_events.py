@@ -1,0 +1,104 @@
+"""The engine between ticks: a region just registered is looked at, and hot
+blocks hinted in a lower tier are promoted into free DRAM room, in the event
+loop's next turns, without waiting for a tick (the guest comparison's first
+hot set: vm_tiering_compare.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from test_engine import BLOCK, DRAM, PPB, SWAP, SWAP_TIER, Rig, cfg
+
+
+@pytest.fixture
+def wired():
+    rigs = []
+
+    def make(blocks: int = 8, **kw) -> Rig:
+        r = Rig(blocks, cfg(**kw))
+        # as daemon.build wires them (the Rig registered its region before: look again)
+        r.registry.on_added, r.registry.on_hinted = r.engine.registered, r.engine.hinted
+        rigs.append(r)
+        return r
+
+    yield make
+    for r in rigs:
+        r.close()
+
+
+def turns(r: Rig, done, limit: float = 5.0) -> None:
+    """Run the event loop (no tick) until ``done()``, failing after ``limit`` s."""
+    async def go():
+        loop = asyncio.get_running_loop()
+        end = loop.time() + limit
+        while not done():
+            assert loop.time() < end, "not done without a tick"
+            await asyncio.sleep(0.002)
+
+    r.loop.run_until_complete(go())
+
+
+def idle(r: Rig, seconds: float = 0.2) -> None:
+    r.loop.run_until_complete(asyncio.sleep(seconds))
+
+
+def test_a_registered_region_is_looked_at_before_any_tick(wired):
+    r = wired(8)
+    r.settle()
+    reg = r.registry.add(4242, 0x7F0000000000 + 8 * BLOCK, 4 * BLOCK, BLOCK, name="late").id
+    turns(r, lambda: (r.table.tier[r.rows(reg)] == DRAM).all())
+
+
+def place(r: Rig, in_dram: int) -> None:
+    """The first ``in_dram`` blocks in DRAM, the rest in swap, and the table
+    knows it."""
+    r.settle()
+    r.kernel.loc[: in_dram * PPB] = DRAM
+    r.kernel.loc[in_dram * PPB :] = SWAP
+    r.engine.request_measure()
+    r.tick()
+    n = r.kernel.loc.size // PPB // 3
+    assert r.tiers() == [DRAM] * in_dram + [SWAP_TIER] * (n - in_dram)
+
+
+def test_hinted_blocks_in_a_lower_tier_go_to_free_dram_without_a_tick(wired):
+    r = wired(8)
+    place(r, 0)
+    calls = len(r.kernel.calls)
+    r.hint([2, 5], count=1)  # one hint is enough: a new run's rate is what the policy ranks by
+    turns(r, lambda: r.tiers()[2] == DRAM and r.tiers()[5] == DRAM)
+    assert (r.kernel.where(2) == 0).all() and (r.kernel.where(5) == 0).all()
+    assert r.stats.hot_promotions_total == 2
+    assert [op for op, _ in r.kernel.calls[calls:]] == ["pagein"]
+    assert r.tiers().count(DRAM) == 2  # only the hinted ones
+
+
+def test_hinted_blocks_wait_for_the_plan_when_dram_has_no_room(wired):
+    """DRAM at what the policy fills it to: no promotion between ticks (an
+    exchange with a colder resident is the plan's decision)."""
+    r = wired(16, cold_demote=False)  # DRAM target 8 blocks: filled to 0.98 * 8 = 7.84
+    place(r, 7)
+    r.hint([1, 2, 3, 4, 5, 6, 8], count=1)
+    idle(r)
+    assert r.stats.hot_promotions_total == 0
+    assert r.tiers()[8] == SWAP_TIER
+
+
+def test_room_counts_what_is_already_on_its_way(wired):
+    """Room for 3 blocks, 6 hinted hot in swap: 3 promoted between ticks,
+    hottest first, not all 6 (DRAM is not overfilled by promotions queued
+    turn after turn)."""
+    # filled to 7.84 blocks of 8 (low_wm = high_wm: whatever room the policy
+    # keeps for allocations, it does not go below that)
+    r = wired(16, cold_demote=False, low_wm=0.98)
+    place(r, 4)
+    r.hint([10, 11, 12], count=5)
+    r.hint([13, 14, 15], count=1)
+    idle(r, 0.3)
+    r.hint([13, 14, 15], count=1)  # asked again, with the first three on their way or there
+    idle(r, 0.3)
+    assert r.stats.hot_promotions_total == 3
+    assert sorted(np.flatnonzero(np.array(r.tiers()) == DRAM).tolist()) == [0, 1, 2, 3, 10, 11, 12]
