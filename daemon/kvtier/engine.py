@@ -823,7 +823,7 @@ class Engine:
         if rows.size == 0:
             return
         states = self.tier_states()
-        room = pol.fill_bytes(states[0], cfg, self.pstate) - states[0].used_bytes - self._bytes_to_dram()
+        room = pol.promote_limit(states[0], cfg, self.pstate) - states[0].used_bytes - self._bytes_to_dram()
         if states[0].free_bytes is not None:
             room = min(room, float(states[0].free_bytes) - self._bytes_to_dram())
         order = np.argsort(-eff, kind="stable")

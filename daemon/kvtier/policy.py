@@ -490,6 +490,16 @@ def fill_bytes(tier: TierState, cfg: PolicyConfig, state: PolicyState) -> float:
     return max(target * cfg.low_wm, min(high, target - state.headroom(cfg)))
 
 
+def promote_limit(tier: TierState, cfg: PolicyConfig, state: PolicyState) -> float:
+    """What promotions may fill a tier to: ``fill_bytes``, and in DRAM not
+    into the room kept for a backlog of allocations (theirs: _step_ended).
+    The plan and the engine's promotions between ticks both stop here."""
+    limit = fill_bytes(tier, cfg, state)
+    if tier.index == 0:
+        limit = min(limit, cfg.target_bytes(tier) - state.backlog_peak)
+    return limit
+
+
 def _swap_tiers(tiers: Sequence[TierState]) -> np.ndarray:
     return np.array([t.kind == "swap" for t in tiers], dtype=bool)
 
@@ -661,10 +671,7 @@ def _step_promote(x: _Tick, t: int, floor: float) -> None:
         cand = allowed
         if cand.size == 0:
             return
-    room = max(0.0, x.fill[t] - b.used[t] - b.late_out[t])
-    if t == 0:
-        # the room kept for a backlog of allocations is theirs (_step_ended)
-        room = min(room, max(0.0, x.target[0] - x.state.backlog_peak - b.used[0] - b.late_out[0]))
+    room = max(0.0, promote_limit(x.tiers[t], cfg, x.state) - b.used[t] - b.late_out[t])
     free = x.tiers[t].free_bytes
     if free is not None:
         # what the node has free, minus what this plan already sends there
