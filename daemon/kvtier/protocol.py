@@ -38,12 +38,6 @@ DEFAULT_MAX_MESSAGE = 16 * 1024 * 1024
 # Where kvtierd listens unless configured otherwise (daemon.socket).
 DEFAULT_SOCKET = "/run/kvtierd/kvtierd.sock"
 
-CAPABILITIES = (
-    "register", "hint", "phase", "query", "stats", "pidfd-lifetime", "persist",
-    "status", "tiers", "regions", "blocks", "migrate", "measure", "pin", "explain", "allocate",
-    "prefetch", "release", "engine-moves",
-)
-
 # Wire dtypes of packed arrays (explicit little-endian: the wire format does
 # not depend on the host).
 BLOCKS_DTYPE = np.dtype("<u4")
@@ -262,6 +256,14 @@ AnyRequest = Union[
 ]
 REQUEST_TYPES: tuple[type[Request], ...] = AnyRequest.__args__  # type: ignore[attr-defined]
 OPS = {t.__struct_config__.tag: t for t in REQUEST_TYPES}
+# Features no op name shows: regions follow their process by pidfd
+# (pidfd-lifetime), registrations survive a daemon restart (persist),
+# engine-mode regions get `move` events (engine-moves).
+FEATURES = ("pidfd-lifetime", "persist", "engine-moves")
+# hello's `capabilities`: every op this daemon accepts, then FEATURES. It was
+# a hand-kept list that lacked unregister, unpin, ages and the engine ops: a
+# client testing for an op it needs would have refused a daemon that has it.
+CAPABILITIES = (*OPS, *FEATURES)
 
 
 class ErrorBody(msgspec.Struct, omit_defaults=True):

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from kvtier import protocol
+from protocol_doc import doc_examples
 
 
 def enc(d):
@@ -82,6 +83,38 @@ def test_ops_table_is_complete():
     assert set(protocol.OPS) == {"hello", "register", "allocate", "unregister", "hint", "phase", "query", "stats",
                                  "status", "tiers", "regions", "blocks", "migrate", "measure", "pin", "unpin",
                                  "explain", "ages", "prefetch", "release", "register_engine", "attach", "move_done"}
+
+
+def test_capabilities_name_every_op_and_the_features():
+    # docs/protocol.md: hello's capabilities are the ops this daemon offers
+    # and the features; a client checks an op there before using it.
+    assert protocol.CAPABILITIES[:len(protocol.OPS)] == tuple(protocol.OPS)
+    assert set(protocol.CAPABILITIES) == set(protocol.OPS) | {"pidfd-lifetime", "persist", "engine-moves"}
+
+
+def test_the_fields_that_take_nil_are_the_ones_the_doc_lists():
+    # docs/protocol.md section 2 names every field that accepts nil; any
+    # other field refuses it (a C client sends nil nowhere else).
+    import re
+    from protocol_doc import PROTOCOL_MD
+
+    text = " ".join(PROTOCOL_MD.read_text().split())
+    sentence = re.search(r"Only these also accept nil, meaning the same: (.*?)\. Any other", text).group(1)
+    listed = {(op.strip(), field) for field, ops in re.findall(r"`(\w+)` \(([^)]*)\)", sentence)
+              for op in ops.split(",")}
+    nilable = {(op, f.name) for op, t in protocol.OPS.items() for f in msgspec.structs.fields(t)
+               if f.default is None}
+    assert listed == nilable
+    # and the decoder agrees, field by field (a missing required field is
+    # reported after the fields sent, so a nil refused names its field)
+    for op, t in protocol.OPS.items():
+        for f in msgspec.structs.fields(t):
+            try:
+                protocol.decode_request(enc({"op": op, f.name: None}))
+                refused = False
+            except protocol.ProtocolError as e:
+                refused = f"$.{f.name}`" in str(e)
+            assert refused == ((op, f.name) not in nilable), (op, f.name)
 
 
 @pytest.mark.parametrize("doc, where", [
@@ -191,25 +224,6 @@ def test_client_finds_buffer_addresses_without_holding_exports():
         buffer_address(arr.reshape(10, 100)[:, ::2])
 
 
-def _doc_examples() -> list[bytes]:
-    """Every hex dump in docs/protocol.md section 8, as bytes, in order."""
-    import os
-    import re
-
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "protocol.md")
-    text = open(path).read()
-    section = text[text.index("## 8. Examples"):text.index("## 9.")]
-    out = []
-    for block in re.findall(r"```\n(.*?)```", section, flags=re.S):
-        data = b""
-        for line in block.splitlines():
-            m = re.match(r"^[0-9a-f]{4}  ((?:[0-9a-f]{2} ?)+)", line)
-            assert m, f"not a hex dump line: {line!r}"
-            data += bytes.fromhex(m.group(1).replace(" ", ""))
-        out.append(data)
-    return out
-
-
 def test_every_example_frame_in_protocol_md_is_what_the_code_sends():
     """docs/protocol.md section 8, every dump: the header counts the payload;
     a request decodes to the described message (a client may order keys as
@@ -217,7 +231,7 @@ def test_every_example_frame_in_protocol_md_is_what_the_code_sends():
     byte for byte what the daemon sends."""
     import numpy as np
 
-    docs = _doc_examples()
+    docs = doc_examples()
     register = protocol.Register(id=1, start=0x7F0000000000, length=1 << 30, block_size=2 << 20, name="kv")
     hint = protocol.Hint(id=3, region=7, blocks=protocol.pack_blocks([0, 5, 511]),
                          counts=np.array([1, 2, 1], dtype=protocol.COUNTS_DTYPE).tobytes())
