@@ -61,6 +61,9 @@ FIELDS: dict[str, np.dtype] = {
     "fresh": np.dtype(np.float32),  # exp(-age/tau) of the block's current run of reads (kvtier.hotness)
     "runs": np.dtype(np.float32),  # runs of reads it has had (kvtier.hotness)
     "last_access": np.dtype(np.float64),
+    # earliest time (float32 s since hotness.Temperature.epoch) its run of
+    # reads could end on silence: only rows past it are tested each tick
+    "check_at": np.dtype(np.float32),
     "last_move": np.dtype(np.float64),
     "retry_at": np.dtype(np.float64),
     "fail_count": np.dtype(np.uint16),
@@ -77,6 +80,7 @@ _DEFAULTS = {
     "last_access": -np.inf,
     "last_move": -np.inf,
     "retry_at": -np.inf,
+    "check_at": np.inf,
 }
 
 

@@ -717,6 +717,7 @@ class Engine:
             # Hot as far as the policy is concerned, so it does not send them
             # straight back down as cold between the watermarks.
             t.temp[rows] = np.maximum(t.temp[rows], np.float32(self.policy_cfg.promote_temp))
+            self.temperature.recheck(t, rows)  # raised outside Temperature.add: test its silence again
         else:
             slowest_mem = max([x.index for x in self.topology.tiers if x.kind != "swap"], default=0)
             dst = np.minimum(tier + 1, len(self.topology.tiers) - 1)

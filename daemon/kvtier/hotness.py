@@ -116,6 +116,12 @@ class Temperature:
         self.tau_s = float(tau_s)
         self.end_of_run = float(end_of_run)
         self.last_decay: float | None = None
+        # check_at is stored relative to this (the first time seen), as float32
+        self.epoch: float | None = None
+        # rows the last decay's silence test looked at (tests/unit/test_hotness.py
+        # checks this does not grow with blocks nobody reads)
+        self.rows_checked = 0
+        self._scratch = np.empty(0, dtype=bool)
         # length of the last decay step: the reads a tick adds stand for that
         # long, so a run of reads starts that old (never 0: no division by 0)
         self.interval = 1.0
@@ -125,37 +131,116 @@ class Temperature:
 
     def decay(self, table: BlockTable, now: float) -> None:
         """Age every temperature to ``now`` (no-op the first time and if time went back)."""
+        self._epoch_of(now)
         if self.last_decay is not None and now > self.last_decay:
             dt = now - self.last_decay
             f = np.float32(self.factor(dt))
-            temp, fresh = table.temp, table.fresh
-            temp *= f
-            # In place under a mask: every column-sized temporary is a fresh
-            # mmap in the daemon (daemon.bound_heap), a page fault per 4 KiB
-            # of it every tick, and faults are what grows with the host's load.
-            np.multiply(fresh, f, out=fresh, where=fresh < _RESTART)
-            self._silence(table, now)
+            table.temp[...] *= f
+            # In place under a mask kept between ticks: every column-sized
+            # temporary is a fresh mmap in the daemon (daemon.bound_heap), a
+            # page fault per 4 KiB of it every tick, and faults are what
+            # grows with the host's load.
+            fresh = table.fresh
+            mask = self._mask(fresh.size)
+            np.less(fresh, _RESTART, out=mask)
+            np.multiply(fresh, f, out=fresh, where=mask)
+            self._silence(table, now, mask)
             self.interval = dt
         if self.last_decay is None or now > self.last_decay:
             self.last_decay = now
 
-    def _silence(self, table: BlockTable, now: float) -> None:
-        """End the runs whose silence is improbable at their own rate (module doc)."""
-        if self.end_of_run <= 0:
-            return
-        temp = table.temp
-        # Rows first, by one-byte masks; the float64 idle time only for them
-        # (over the whole table it cost two 8-byte-per-block temporaries,
-        # i.e. page faults, every tick: see decay).
-        rows = np.flatnonzero((table.last_access < now - self.interval) & (temp > 0))
+    def _mask(self, n: int) -> np.ndarray:
+        if self._scratch.size < n:
+            self._scratch = np.empty(max(n, 2 * self._scratch.size), dtype=bool)
+        return self._scratch[:n]
+
+    def _epoch_of(self, now: float) -> float:
+        if self.epoch is None:
+            self.epoch = float(now)
+        return self.epoch
+
+    def _arm(self, table: BlockTable, rows: np.ndarray, t0: float | None) -> None:
+        """Set ``check_at`` of ``rows``: a time before which their run cannot end.
+
+        Until the next read (which arms again) a temperature only decays,
+        from ``t0`` (the time it was last decayed to), and ``fresh`` with it
+        (so the window only grows). The silence test's left side at time t
+        is then below temp(t) * log1p((t - last_access) / window): with
+        temp(t) <= temp, not before D1 = last_access + window *
+        expm1(end_of_run / temp); and since temp(t) <= temp *
+        exp(-(D1 - t0) / tau) after D1, not before the D2 that gives, and so
+        on (three rounds: a block read about once a second is then never
+        tested until its next read, where the first bound alone had it
+        tested two or three times per pause). A bound, not the answer: at
+        that time ``_silence`` runs the exact test and arms again.
+
+        Rounding: a float32 decay can leave a temperature up to 2**-23 per
+        tick above the exact exponential; the rounds allow 1 % for it, i.e.
+        80,000 ticks between a read and the end of its run (22 hours of 1 s
+        ticks; a run ends within about 100 tau of its last read or never).
+        Stored as float32 seconds since ``epoch``, rounded down (checking
+        early is only work, late would change when runs end).
+        """
         if rows.size == 0:
             return
-        idle = now - table.last_access[rows] - self.interval
+        if self.end_of_run <= 0:
+            table.check_at[rows] = np.inf
+            return
+        temp = table.temp[rows].astype(np.float64)
+        window = self.tau_s * np.maximum(1.0 - table.fresh[rows].astype(np.float64), 1e-9)
+        la = table.last_access[rows]
+        e = self.end_of_run * (1.0 - 1e-6)
+        with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+            at = la + window * np.expm1(e / temp)
+            if t0 is not None:
+                for _ in range(3):
+                    left = temp * np.exp(-np.maximum(at - t0, 0.0) / self.tau_s) * 1.01
+                    np.maximum(at, la + window * np.expm1(e / left), out=at)
+            at -= self.epoch
+            at[~(temp > 0)] = np.inf  # nothing to end (and no NaN from a never-read row)
+            at32 = at.astype(np.float32)  # past float32's range: inf, never
+        np.nextafter(at32, np.float32(-np.inf), out=at32, where=at32 > at)
+        table.check_at[rows] = at32
+
+    def recheck(self, table: BlockTable, rows: np.ndarray) -> None:
+        """Rows whose temperature something other than ``add`` raised: test their silence next tick."""
+        table.check_at[np.asarray(rows, dtype=np.int64)] = -np.inf
+
+    def _silence(self, table: BlockTable, now: float, mask: np.ndarray) -> None:
+        """End the runs whose silence is improbable at their own rate (module doc).
+
+        Only rows whose ``check_at`` has come are looked at (``_arm``): the
+        work per tick follows the reads, not the table.
+        """
+        self.rows_checked = 0
+        if self.end_of_run <= 0:
+            return
+        # now rounded up, as check_at was rounded down
+        rel = now - self.epoch
+        now32 = np.float32(rel)
+        if now32 < rel:
+            now32 = np.nextafter(now32, np.float32(np.inf))
+        np.less_equal(table.check_at, now32, out=mask)
+        rows = np.flatnonzero(mask)
+        self.rows_checked = int(rows.size)
+        if rows.size == 0:
+            return
+        temp = table.temp
+        la = table.last_access[rows]
+        t = temp[rows]
+        idle = now - la - self.interval
         fresh = table.fresh[rows].astype(np.float64)
         window = self.tau_s * np.maximum(1.0 - fresh, 1e-9)  # seconds of reads the count stands for
-        over = rows[temp[rows] * np.log1p(idle / window) > self.end_of_run]
-        temp[over] = 0.0
-        table.fresh[over] = _RESTART
+        # the same test, in the same arithmetic, as over every silent row
+        cand = (la < now - self.interval) & (t > 0)
+        with np.errstate(invalid="ignore"):
+            score = t * np.log1p(np.where(cand, idle, 0.0) / window)
+        over = cand & (score > self.end_of_run)
+        ended = rows[over]
+        temp[ended] = 0.0
+        table.fresh[ended] = _RESTART
+        table.check_at[ended] = np.inf
+        self._arm(table, rows[~over], now)
 
     def add(
         self,
@@ -181,12 +266,16 @@ class Temperature:
         if start.size:
             table.temp[start] = 0.0
             table.fresh[start] = np.float32(self.factor(self.interval))
-            np.add.at(table.runs, np.unique(start), np.float32(1.0))
+            # one run per block however often it is listed: a buffered fancy
+            # add counts a duplicate once (np.unique did the same at ~300 ns a row)
+            table.runs[start] += np.float32(1.0)
         # np.add.at (unbuffered, so duplicate rows add up) runs at 20-100 M
         # rows/s on numpy 2: faster than a full-length bincount even for
         # batches of a million (scripts/bench/sim_bench.py).
         np.add.at(table.temp, rows, c * np.float32(weight) if weight != 1.0 else c)
         la[rows] = np.maximum(la[rows], now)
+        self._epoch_of(now)
+        self._arm(table, rows, self.last_decay)
 
     def add_region_hints(
         self,

@@ -34,7 +34,8 @@ from kvtier.errors import ConfigError, KvtierError
 log = logging.getLogger("kvtier.watch")
 
 # Per-block state carried over when an adopted mapping changes length.
-KEPT_FIELDS = ("temp", "last_access", "tier", "flags", "last_move", "retry_at", "fail_count", "stuck")
+# check_at with temp: its bound on when the run can end still holds (hotness.Temperature._arm)
+KEPT_FIELDS = ("temp", "last_access", "check_at", "tier", "flags", "last_move", "retry_at", "fail_count", "stuck")
 
 
 @dataclass(frozen=True)

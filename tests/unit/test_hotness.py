@@ -156,3 +156,93 @@ def test_bad_hints_are_refused():
 def test_tau_validated(tau):
     with pytest.raises(ConfigError):
         Temperature(tau)
+
+
+# -- the silence test looks only at rows whose run could have ended --------------
+
+
+class _FullScan(Temperature):
+    """The silence test over every silent warm row, as it was before
+    check_at: what the incremental test must match bit for bit."""
+
+    def _silence(self, table, now, mask):
+        self.rows_checked = 0
+        if self.end_of_run <= 0:
+            return
+        temp = table.temp
+        rows = np.flatnonzero((table.last_access < now - self.interval) & (temp > 0))
+        self.rows_checked = int(rows.size)
+        if rows.size == 0:
+            return
+        idle = now - table.last_access[rows] - self.interval
+        fresh = table.fresh[rows].astype(np.float64)
+        window = self.tau_s * np.maximum(1.0 - fresh, 1e-9)
+        over = rows[temp[rows] * np.log1p(idle / window) > self.end_of_run]
+        temp[over] = 0.0
+        table.fresh[over] = np.float32(1.0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_incremental_run_ends_match_the_full_scan(seed):
+    # Random reads (skewed rates, duplicates, three weights), uneven ticks,
+    # phase free, a prefetch's raised temperature, time going back: every
+    # column the policy reads must be identical after every tick.
+    rng = np.random.default_rng(seed)
+    n = 400
+    tau = float(rng.choice([1.0, 5.0, 30.0]))
+    tabs = [table(n), table(n)]
+    hs = [Temperature(tau), _FullScan(tau)]
+    rate = rng.pareto(1.0, n) * 0.5  # reads per second per block
+    now = 1000.0 * seed
+    ended = 0
+    for step in range(300):
+        if step == 200:
+            rate[: n // 2] = 0.0  # half the blocks are not read again: their runs end
+        dt = float(rng.choice([0.05, 0.3, 1.0, 1.0, 2.5, 7.0]))
+        now += dt
+        if step % 97 == 50:
+            now -= 0.5  # a clock that went back: decay ignores it
+        reads = np.flatnonzero(rng.random(n) < 1 - np.exp(-rate * dt))
+        reads = np.concatenate([reads, reads[: reads.size // 4]])
+        counts = rng.integers(1, 4, reads.size).astype(np.float32)
+        weight = float(rng.choice([1.0, 0.5, 0.25]))
+        free = rng.choice(n, 3, replace=False) if step % 13 == 0 else None
+        raised = rng.choice(n, 2, replace=False) if step % 29 == 0 else None
+        warm = tabs[0].temp > 0
+        for t, h in zip(tabs, hs):
+            h.decay(t, now)
+        ended += int((warm & (tabs[0].temp == 0)).sum())
+        for t, h in zip(tabs, hs):
+            h.add(t, reads, counts, now, weight)
+            if free is not None:
+                apply_phase(t, free, "free")
+            if raised is not None:
+                t.temp[raised] = np.maximum(t.temp[raised], np.float32(3.0))
+                h.recheck(t, raised)
+        for col in ("temp", "fresh", "runs", "last_access"):
+            np.testing.assert_array_equal(getattr(tabs[0], col), getattr(tabs[1], col), err_msg=f"{col} step {step}")
+    assert ended > 20  # runs did end on silence
+    assert hs[0].rows_checked < hs[1].rows_checked or hs[1].rows_checked == 0
+
+
+def test_the_silence_test_does_not_grow_with_blocks_nobody_reads():
+    # The same 50 blocks read at the same times, in a table of 1,000 and one
+    # of 200,000 blocks whose other blocks were all read once long ago (warm,
+    # silent, not ending: too few reads for their silence to say anything):
+    # the rows each tick's silence test looks at must be the same.
+    checked = []
+    for n in (1_000, 200_000):
+        t = table(n)
+        h = Temperature(5.0)
+        h.decay(t, 0.0)
+        h.add(t, np.arange(n), 0.05, 0.0)  # one faint read each, long ago
+        per_tick = []
+        for k in range(1, 40):
+            now = 100.0 + k
+            h.decay(t, now)
+            h.add(t, np.arange(50), 20.0, now)
+            per_tick.append(h.rows_checked)
+        checked.append(per_tick)
+        assert (t.temp[50:] > 0).all()  # still warm: no run ended, nothing skipped by zeroing
+    assert checked[0] == checked[1]
+    assert max(checked[1]) <= 50
