@@ -115,6 +115,60 @@ def buffer_address(obj: Any) -> tuple[int, int]:
 
 HUGE_PAGE = 2 << 20  # x86-64 PMD size: THP can back a 2 MiB-aligned pool
 
+_libc = None
+
+
+def _madvise(addr: int, length: int, advice: int) -> int:
+    """madvise(2) on this process's memory; 0 or the errno."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return 0 if _libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), advice) == 0 else ctypes.get_errno()
+
+
+def block_runs(blocks: Iterable[int] | np.ndarray) -> np.ndarray:
+    """Sorted distinct block indices as [first, stop) runs of consecutive blocks, shape (n, 2)."""
+    b = np.unique(np.asarray(blocks, dtype=np.int64).ravel())
+    if b.size == 0:
+        return np.zeros((0, 2), dtype=np.int64)
+    cut = np.flatnonzero(np.diff(b) != 1) + 1
+    first = b[np.concatenate(([0], cut))]
+    last = b[np.concatenate((cut - 1, [b.size - 1]))]
+    return np.stack([first, last + 1], axis=1)
+
+
+def drop_blocks(start: int, block_size: int, blocks: Iterable[int] | np.ndarray) -> int:
+    """Free the memory of these blocks of this process's pool at [start, ...):
+    their contents are dead, and the next write to them faults in fresh
+    zeroed pages wherever the kernel's first touch places them. Returns the
+    bytes dropped (whole pages inside the blocks).
+
+    Only the owner can do this: process_madvise(2) accepts neither
+    MADV_DONTNEED nor MADV_REMOVE, so the daemon can only move dead data.
+    Shared memory (shmem, memfd, /dev/shm: what ``mmap.mmap(-1, n)`` makes)
+    needs MADV_REMOVE, which frees its pages and swap slots; DONTNEED only
+    unmaps them from this process. Private memory takes MADV_DONTNEED
+    (MADV_REMOVE refuses it with EINVAL, no backing file). Swapped-out pages
+    are freed without being read back. Raises OSError (nothing is dropped
+    of the run that failed) for memory the kernel will not drop: mlock'ed
+    (EINVAL) or not mapped (ENOMEM)."""
+    runs = block_runs(blocks)
+    page = mmap.PAGESIZE
+    done = 0
+    for first, stop in runs.tolist():
+        lo = -(-(start + first * block_size) // page) * page
+        hi = (start + stop * block_size) // page * page
+        if hi <= lo:
+            continue
+        err = _madvise(lo, hi - lo, mmap.MADV_REMOVE)
+        if err in (_errno.EINVAL, _errno.EACCES, _errno.EOPNOTSUPP):
+            err = _madvise(lo, hi - lo, mmap.MADV_DONTNEED)
+        if err:
+            raise OSError(err, f"dropping blocks {first}..{stop - 1} (0x{lo:x}+{hi - lo}): {os.strerror(err)}")
+        done += hi - lo
+    return done
+
 
 class PoolMemory:
     """Anonymous memory mapped for ``Client.allocate``: page aligned, 2 MiB
@@ -306,10 +360,30 @@ class Region:
 
     def phase(self, phase: str, blocks: Iterable[int] | np.ndarray | None = None) -> int:
         """"prefill_done" (blocks now read-only: demotion candidates), "active"
-        (undo), or "free" (blocks hold no live data)."""
+        (undo), "free" (no request reads them now; contents kept for a prefix
+        cache) or "discard" (contents dead: see ``discard``, which also drops
+        the pages)."""
         self.flush()
         packed = None if blocks is None else protocol.pack_blocks(np.asarray(blocks).ravel())
         return self.client.call(protocol.Phase(region=self.id, phase=phase, blocks=packed))["blocks"]
+
+    def discard(self, blocks: Iterable[int] | np.ndarray, drop: bool = True) -> int:
+        """These blocks' contents are dead (a finished request's blocks back on
+        a free list with no prefix cache behind it, or a cached block the
+        engine evicts to reuse the slot). With ``drop`` (the default) their
+        pages are freed first (``drop_blocks``: no swap-in, no migration of
+        data nobody will read), then the daemon is told (phase "discard"):
+        it moves nothing for them, and the slot's next write is a new block,
+        placed by the kernel's first touch and measured from there. Without
+        ``drop`` the pages stay and the daemon will find them and treat them
+        as data (it cannot free another process's memory). Returns the
+        blocks the daemon changed."""
+        arr = np.asarray(blocks, dtype=np.int64).ravel()
+        if arr.size and (arr.min() < 0 or arr.max() >= self.nblocks):
+            raise ValueError(f"block index out of range 0..{self.nblocks - 1} for region {self.id}")
+        if drop:
+            drop_blocks(self.start, self.block_size, arr)
+        return self.phase("discard", arr)
 
     def prefetch(self, blocks: Iterable[int] | np.ndarray | None = None, *, wait: bool = False,
                  timeout: float = 30.0) -> dict:
@@ -409,6 +483,13 @@ class EngineRegion(Region):
     update your block table, and return True, False, or a bool per block.
     An exception counts as failure for every block. ``tiers`` is where this
     side believes each block is (sent again after a reconnect)."""
+
+    def discard(self, blocks: Iterable[int] | np.ndarray, drop: bool = False) -> int:
+        """As Region.discard, but the pools are the engine's: free the blocks
+        there yourself; ``drop`` is refused (the daemon knows no address)."""
+        if drop:
+            raise ValueError("engine-mode region: free the blocks in your own pools, then discard(blocks)")
+        return super().discard(blocks, drop=False)
 
     def __init__(self, client: "Client", info: dict, tiers: np.ndarray, on_move: Callable):
         super().__init__(client, info, 0, info["blocks"] * info["block_size"])

@@ -56,7 +56,7 @@ import math
 
 import numpy as np
 
-from .blocks import F_PREFILL_DONE, BlockTable
+from .blocks import F_ENGINE, F_NOT_PRESENT, F_PREFILL_DONE, F_STALE, F_UNMOVABLE, TIER_UNKNOWN, BlockTable
 from .errors import ConfigError, InvalidArgument
 
 # Relative trust in each source (multiplies its counts).
@@ -296,15 +296,23 @@ class Temperature:
         self.add(table, idx + s.start, counts, now, weight)
 
 
-PHASES = ("prefill_done", "active", "free")
+PHASES = ("prefill_done", "active", "free", "discard")
 
 
 def apply_phase(table: BlockTable, rows: np.ndarray, phase: str) -> None:
     """A client's ``phase`` message for table rows (the registry and kvtier-sim run this).
 
     ``prefill_done``: read-only from now on, a preferred demotion candidate;
-    ``active``: undo that; ``free``: the blocks hold no live data (a finished
-    request's blocks no later request has taken): temperature 0, first to go.
+    ``active``: undo that; ``free``: no request reads the blocks now, their
+    contents kept (a prefix cache may hand them to a later request):
+    temperature 0, first to go; ``discard``: the contents are dead (evicted
+    from the prefix cache, or returned to a free list with no cache behind
+    it) and the owner has dropped the pages (``client.drop_blocks``), so
+    the blocks hold no memory: nothing to move, ever, for what they held.
+    The slot's next write is a new block, placed where the kernel's first
+    touch puts it; nothing of the old block (its runs, backoffs, the tier it
+    was in) carries over. They are measured again (F_STALE): pages an owner
+    did not drop are found and are data to the kernel again.
     """
     flags = table.flags
     if phase == "prefill_done":
@@ -315,5 +323,24 @@ def apply_phase(table: BlockTable, rows: np.ndarray, phase: str) -> None:
         flags[rows] |= np.uint8(F_PREFILL_DONE)
         table.temp[rows] = 0.0
         table.fresh[rows] = _RESTART  # the next read (a later request taking it) starts a new run
+    elif phase == "discard":
+        # Not the flags of the memory (unmovable, a region's constraints, an
+        # operator's pin): those stay.
+        flags[rows] &= np.uint8(~F_PREFILL_DONE & 0xFF)
+        # An engine-mode block's placement is its engine's word, not pages.
+        paged = rows[(flags[rows] & np.uint8(F_ENGINE)) == 0]
+        flags[paged] |= np.uint8(F_NOT_PRESENT | F_STALE)
+        table.tier[paged] = TIER_UNKNOWN
+        table.temp[rows] = 0.0
+        table.fresh[rows] = _RESTART
+        table.runs[rows] = 0.0
+        table.last_access[rows] = -np.inf
+        table.last_move[rows] = -np.inf
+        table.returns[rows] = 0
+        # A failed move's backoff was about the old contents; an unmovable
+        # block's re-probe time is about its memory and stays.
+        movable = rows[(flags[rows] & np.uint8(F_UNMOVABLE)) == 0]
+        table.retry_at[movable] = -np.inf
+        table.fail_count[movable] = 0
     else:
         raise InvalidArgument(f"unknown phase {phase!r}")

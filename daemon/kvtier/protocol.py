@@ -70,7 +70,7 @@ Priority = Annotated[int, Meta(ge=-100, le=100)]
 Name = Annotated[str, Meta(max_length=128)]
 TenantName = Annotated[str, Meta(max_length=64)]
 Constraint = Literal["keep_dram", "never_swap"]
-PhaseName = Literal["prefill_done", "active", "free"]
+PhaseName = Literal["prefill_done", "active", "free", "discard"]
 # "auto", a tier name or a tier index (as a string): where allocate places memory.
 TierSpec = Annotated[str, Meta(min_length=1, max_length=64)]
 # Packed arrays: the msgpack bin's own length is bounded by the frame limit.

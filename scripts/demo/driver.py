@@ -13,10 +13,11 @@ runs once per mode, one after the other, each result in DIR/<mode>/:
 * ``none``: no kvtierd, numa_balancing=0: where the pages start is where
   they stay (the control).
 
-DRAM is really scarce in every mode, not only as kvtier's target: before
-each run the driver takes all of node 0's free memory but ``--dram-mib``
-plus ``--slack-mib`` into a locked, node-0-bound allocation, so the kernel's
-own tiering faces the same room as kvtier.
+DRAM is really scarce in every mode, not only as kvtier's target: once the
+workload has set up its pool (on the start node), the driver takes all of
+node 0's free memory but ``--dram-mib`` plus ``--slack-mib`` into a locked,
+node-0-bound allocation, so the kernel's own tiering, and the first touch
+of new blocks in every mode, face the same room as kvtier.
 
 1. Writes the demo's kvtierd config: the defaults, plus per-tier capacity
    targets so that a 256 MiB KV pool does not simply fit in DRAM (the guest
@@ -229,8 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default=",".join(MODES),
                     help=f"comma list of {', '.join(MODES)}, run in this order (kvtier first gives the "
                          "baselines the daemon's tier list)")
-    ap.add_argument("--slack-mib", type=int, default=64,
-                    help="node-0 memory left free beyond --dram-mib (processes, kernel watermarks)")
+    ap.add_argument("--slack-mib", type=int, default=24,
+                    help="node-0 memory left free beyond --dram-mib once the workload is set up (the kernel's "
+                         "watermarks, the daemon's growth): the pool's first-touch allocations get no more DRAM "
+                         "than kvtier's target in any mode")
     ap.add_argument("workload_args", nargs="*", help="extra arguments for workload.py (after --)")
     a = ap.parse_args(argv)
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
@@ -345,17 +348,28 @@ def run_mode(plan: Plan, mode: str, out: Path) -> int:
         tiers = plan.tiers or fallback_tiers(plan)
         (out / "tiers.json").write_text(json.dumps(tiers))
         dram_node = tiers[0]["nodes"][0]
-        hog = DramHog(dram_node, (a.dram_mib + a.slack_mib) * MIB)
-        tee.line(f"demo[{mode}]: {a.pool_mib} MiB KV pool starts on node {plan.start_node} ({plan.start_name}); "
-                 f"node {dram_node} has {node_free_bytes(dram_node) // MIB} MiB free (DRAM target {a.dram_mib} MiB); "
-                 f"numa_balancing={MODE_NUMA_BALANCING[mode]}; {a.duration:.0f} s of sessions")
         cmd = [sys.executable, "-u", str(HERE / "workload.py"),
                "--timeline", str(out / "timeline.jsonl"), "--summary", str(out / "summary.json"),
                "--duration", str(a.duration), "--pool-mib", str(a.pool_mib),
-               "--start-node", str(plan.start_node), *a.workload_args]
+               "--start-node", str(plan.start_node), "--wait-go", *a.workload_args]
         cmd += ["--socket", str(sock)] if mode == "kvtier" else ["--no-daemon", "--tiers-json", str(out / "tiers.json")]
-        wl = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        wl = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               preexec_fn=(lambda: os.sched_setaffinity(0, plan.pin_cpus)) if plan.pin_cpus else None)
+        for line in wl.stdout:
+            tee.line(f"[{mode}] " + line.rstrip("\n"))
+            if line.startswith("workload: ready"):
+                # The workload's interpreter and its pool (moved to the start
+                # node) are in place: only now is node 0 cut down to the DRAM
+                # the run may use, so the pool gets the same DRAM in every
+                # mode (first-touch placement of new blocks included).
+                hog = DramHog(dram_node, (a.dram_mib + a.slack_mib) * MIB)
+                tee.line(f"demo[{mode}]: {a.pool_mib} MiB KV pool starts on node {plan.start_node} "
+                         f"({plan.start_name}); node {dram_node} has {node_free_bytes(dram_node) // MIB} MiB free "
+                         f"(DRAM target {a.dram_mib} MiB); numa_balancing={MODE_NUMA_BALANCING[mode]}; "
+                         f"{a.duration:.0f} s of sessions")
+                wl.stdin.write("go\n")
+                wl.stdin.flush()
+                break
         for line in wl.stdout:
             tee.line(f"[{mode}] " + line.rstrip("\n"))
         rc = wl.wait()

@@ -12,8 +12,16 @@ with kvtierd through kvtier.client and serves a stream of sessions:
   halves every ``--halflife`` blocks of age (recency bias, as in
   attention-sink/sliding-window serving); a step appends a token, and every
   ``--tokens-per-block`` tokens the session takes a new block;
-* a finished session returns its blocks (``phase("free")``: the daemon
-  may demote them first).
+* a finished session returns its blocks to the free list, FIFO (the block
+  freed longest ago is taken first, like vLLM's free block queue). Their
+  contents are dead (the workload has no prefix cache for session blocks),
+  so by default (``--on-finish discard``) the workload drops their pages
+  (``kvtier.client.drop_blocks``, madvise in this process: the same in
+  every mode) and tells the daemon (``Region.discard``, phase
+  ``discard``): nothing moves dead data, and a slot taken again is written
+  as a new block into fresh pages, where the kernel's first touch puts
+  them. ``--on-finish free`` keeps the pages (phase ``free``: contents
+  kept, as for a prefix cache), the behaviour before.
 
 Reads really touch the memory (one byte per page of each block read), so a
 block in swap is faulted back and a block on a slow node is read there.
@@ -36,8 +44,10 @@ the kernel: /proc/vmstat pages migrated (pgmigrate_success) plus pages
 swapped out and in (pswpout, pswpin), as deltas since the workload started.
 
 ``--start-node N`` moves the whole pool to NUMA node N after filling it,
-i.e. the pool starts in a capacity tier and kvtier must bring the hot set
-up into DRAM; without it the pool starts wherever the kernel puts it.
+i.e. the shared prefix (and with ``--on-finish free`` every block) starts in
+a capacity tier and kvtier must bring it up into DRAM; without it the pool
+starts wherever the kernel puts it. With ``--on-finish discard`` the free
+list's slots are dropped at the start (they hold nothing yet).
 """
 
 from __future__ import annotations
@@ -55,7 +65,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvtier.kernel import native
-from kvtier.client import Client
+from kvtier.client import Client, drop_blocks
 from kvtier.kernel.migrator import Migrator
 
 MIB = 1 << 20
@@ -82,6 +92,9 @@ class _NoRegion:
         pass
 
     def hint(self, *_a, **_k) -> None:
+        pass
+
+    def discard(self, *_a, **_k) -> None:
         pass
 
     def unregister(self) -> None:
@@ -181,6 +194,20 @@ class Workload:
         self.finished = 0
         self.rejected = 0
         self.interval_reads = np.zeros(self.pool.nblocks, dtype=np.int64)
+        # Ground truth for the report's turnover reference, per second:
+        # blocks written as new blocks (into dropped, i.e. fresh, slots or
+        # into slots whose old pages are still wherever they were) and
+        # blocks whose contents died.
+        self.dropped = np.zeros(self.pool.nblocks, dtype=bool)
+        self.interval_alloc: list[int] = []
+        self.interval_alloc_fresh: list[int] = []
+        self.interval_discard: list[int] = []
+        if args.on_finish == "discard":
+            # The free list's slots hold nothing yet: dropped like a freed
+            # block's, so the first session to take each writes a new block
+            # where first touch puts it; only the shared prefix starts on the
+            # start node with its data.
+            self.discard(self.pool.free)
 
     # -- session lifecycle ---------------------------------------------------
 
@@ -200,6 +227,9 @@ class Workload:
         """A block taken from the free list is written (its KV) and, being
         written, is hot: say so at once rather than at the next read."""
         arr = np.array(blocks)
+        self.interval_alloc += blocks
+        self.interval_alloc_fresh += [b for b in blocks if self.dropped[b]]
+        self.dropped[arr] = False
         self.pool.write(arr, sid & 0xFF)
         self.region.phase("active", arr)
         self.region.hint(arr)
@@ -207,11 +237,22 @@ class Workload:
 
     def finish(self, s: Session) -> None:
         self.sessions.remove(s)
-        self.region.phase("free", s.blocks)
+        if self.a.on_finish == "discard":
+            self.discard(s.blocks)
+        else:
+            self.region.phase("free", s.blocks)
         # Freed blocks go to the back: the most recently freed are reused last,
         # like a FIFO block allocator (vLLM's free block queue).
         self.pool.free.extend(s.blocks)
         self.finished += 1
+
+    def discard(self, blocks: list[int]) -> None:
+        """Dead contents: the pages first (madvise here, in every mode), then
+        the daemon, so it never takes the dead pages for data."""
+        drop_blocks(self.pool.addr, self.pool.block, blocks)
+        self.dropped[blocks] = True
+        self.interval_discard += blocks
+        self.region.discard(blocks, drop=False)
 
     # -- one decode step ------------------------------------------------------
 
@@ -304,6 +345,8 @@ class Workload:
         start, then measure the placement for the next one."""
         reads = self.interval_reads
         self.interval_reads = np.zeros_like(reads)
+        alloc, fresh, discard = self.interval_alloc, self.interval_alloc_fresh, self.interval_discard
+        self.interval_alloc, self.interval_alloc_fresh, self.interval_discard = [], [], []
         if self.client is not None:
             self.client.flush()
         by_tier: dict[str, int] = {}
@@ -332,6 +375,13 @@ class Workload:
             "migrated_bytes": stats.get("migrated_bytes", {}),
             "migration_failed_pages": stats.get("migration_failed_pages", {}),
             "kernel_moved_bytes": (kernel_moved_pages() - self.moved_pages0) * PAGE,
+            # the workload's ground truth of the second (report.py's turnover reference)
+            "read_blocks": np.flatnonzero(reads).tolist(),
+            "read_counts": reads[reads > 0].tolist(),
+            "alloc_blocks": alloc,
+            "alloc_fresh": fresh,
+            "discarded": discard,
+            "where": where.tolist(),
         }
         timeline.write(json.dumps(rec) + "\n")
         timeline.flush()
@@ -377,6 +427,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--step-rate", type=float, default=10.0, help="decode steps per second")
     ap.add_argument("--start-node", type=int, help="move the filled pool to this NUMA node (it starts there)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--on-finish", choices=("discard", "free"), default="discard",
+                    help="a finished session's blocks: discard (drop the pages, phase discard: contents dead) "
+                         "or free (keep them, phase free: contents kept as for a prefix cache)")
+    ap.add_argument("--wait-go", action="store_true",
+                    help="after setting up the pool, print 'workload: ready' and wait for a line on stdin "
+                         "(the driver then leaves DRAM as scarce as the run needs)")
     ap.add_argument("--read-stride", type=int, default=64,
                     help="bytes between the bytes a block read touches (64: every cache line; 4096: every page)")
     return ap.parse_args(argv)
@@ -393,6 +449,10 @@ def main(argv: list[str] | None = None) -> int:
         client = None if args.no_daemon else stack.enter_context(Client(args.socket, name="kvtier demo workload"))
         timeline = stack.enter_context(open(args.timeline, "w"))
         w = Workload(args, client)
+        if args.wait_go:
+            print("workload: ready", flush=True)
+            sys.stdin.readline()
+            w.moved_pages0 = kernel_moved_pages()
         summary = w.run(timeline, stop)
         summary.update(pool_bytes=w.pool.size, block_bytes=w.pool.block, region=w.region.id,
                        kernel_moved_bytes=(kernel_moved_pages() - w.moved_pages0) * PAGE)
