@@ -177,6 +177,15 @@ class Workload:
         self.rng = np.random.default_rng(args.seed)
         self.pool = Pool(args.pool_mib * MIB, args.block_mib * MIB, args.prefix_blocks)
         self.pool.fill()
+        self.dropped = np.zeros(self.pool.nblocks, dtype=bool)
+        if args.on_finish == "discard":
+            # The free list's slots hold nothing yet: their pages are dropped
+            # before the pool is registered (the daemon finds them never
+            # touched), so the first session to take each writes a new block
+            # where first touch puts it; only the shared prefix starts on the
+            # start node with its data.
+            drop_blocks(self.pool.addr, self.pool.block, self.pool.free)
+            self.dropped[self.pool.free] = True
         if args.start_node is not None:
             self.pool.place(args.start_node)
         self.client = client
@@ -198,16 +207,9 @@ class Workload:
         # blocks written as new blocks (into dropped, i.e. fresh, slots or
         # into slots whose old pages are still wherever they were) and
         # blocks whose contents died.
-        self.dropped = np.zeros(self.pool.nblocks, dtype=bool)
         self.interval_alloc: list[int] = []
         self.interval_alloc_fresh: list[int] = []
         self.interval_discard: list[int] = []
-        if args.on_finish == "discard":
-            # The free list's slots hold nothing yet: dropped like a freed
-            # block's, so the first session to take each writes a new block
-            # where first touch puts it; only the shared prefix starts on the
-            # start node with its data.
-            self.discard(self.pool.free)
 
     # -- session lifecycle ---------------------------------------------------
 

@@ -162,6 +162,24 @@ for line in sys.stdin:
             out(errors=[str(e) for e in errs])
         elif op == "phase":
             out(blocks=region.phase(cmd["phase"], cmd.get("blocks")))
+        elif op == "discard":
+            out(blocks=region.discard(cmd["blocks"], drop=cmd.get("drop", True)))
+        elif op == "write":  # a new block in a slot: its KV written, then hinted
+            b = cmd["block"]
+            buf[b * bs:(b + 1) * bs] = b"\2" * bs
+            region.hint([b])
+            out(errors=[str(e) for e in c.flush()])
+        elif op == "smaps":  # the pool mapping's Rss and Swap, kB (shmem swap included)
+            from kvtier.client import buffer_address
+            start = buffer_address(buf)[0]
+            kb, cur = {}, False
+            for l in open("/proc/self/smaps"):
+                f = l.split()
+                if "-" in f[0] and not f[0].endswith(":"):
+                    cur = int(f[0].split("-")[0], 16) == start
+                elif cur and f[0] in ("Rss:", "Swap:"):
+                    kb[f[0][:-1]] = int(f[1])
+            out(**kb)
         elif op == "query":
             out(tiers=region.query().tolist())
         elif op == "unregister":
@@ -730,6 +748,58 @@ def test_operator_moves_blocks_to_swap_and_back(swapfile, workdir):
             p = pinned("register", constraints=["never_swap"])
             bad = ctl(d, "migrate", str(p["region"]), str(swap))
             assert bad.returncode == 1 and "never_swap" in bad.stderr
+    finally:
+        assert d.stop() == 0
+
+
+def test_discarded_blocks_leave_swap_unread_and_come_back_as_new_blocks(swapfile, workdir):
+    """Phase discard through the client: the dead blocks' pages are dropped
+    in the owner (their swap slots freed without a swap-in), the daemon
+    takes them as never touched and plans nothing for them, and a write into
+    the slot is a new block measured where first touch put it. Without the
+    drop the daemon finds the pages again (data to the kernel)."""
+    d = DaemonProc(workdir).start()
+    try:
+        with ChildClient(d.sock, size=8 << 20) as child:
+            rid = str(child("register")["region"])
+            measured(child)
+            tiers = json.loads(ctl(d, "--json", "tiers").stdout)["tiers"]
+            swap = next(t["index"] for t in tiers if t["kind"] == "swap")
+            ctl(d, "migrate", rid, str(swap), "--blocks", "0-3")
+            wait_for(lambda: child("query")["tiers"][:4] == [swap] * 4, "blocks 0-3 in swap")
+            before = child("smaps")
+            assert before["Swap"] >= 3 * 1024, before
+            assert child("discard", blocks=[0, 1])["blocks"] == 2
+            after = child("smaps")
+            # 2 MiB of swap freed, nothing read back in
+            assert after["Swap"] <= before["Swap"] - 2 * 1024 + 64, (before, after)
+            assert after["Rss"] <= before["Rss"] + 64, (before, after)
+            with d.client() as c:
+                moves = c.stats()["migrations"]
+            ctl(d, "measure", rid)
+            never = 1 << 5
+
+            def blocks():
+                return json.loads(ctl(d, "--json", "blocks", rid).stdout)
+
+            wait_for(lambda: (b := blocks())["tiers"][:4] == [-1, -1, swap, swap]
+                     and all(f & never for f in b["flags"][:2]), "discarded blocks never touched")
+            # an operator's move of the whole region moves the live blocks only
+            assert json.loads(ctl(d, "--json", "migrate", rid, "0").stdout)["queued"] == 8
+            wait_for(lambda: child("query")["tiers"] == [-1, -1] + [0] * 6, "live blocks back in DRAM")
+            with d.client() as c:
+                st = c.stats()
+            assert st["migrations"].get(f"{swap}:0", 0) - moves.get(f"{swap}:0", 0) == 2, st["migrations"]
+            assert st["migration_failed_pages"] == {}, st["migration_failed_pages"]
+            # the slot's next write is a new block, where first touch put it
+            assert child("write", block=0)["errors"] == []
+            wait_for(lambda: child("query")["tiers"][0] == 0, "the new block measured in DRAM")
+            # without the drop the pages are still there: data again
+            ctl(d, "migrate", rid, str(swap), "--blocks", "2")
+            wait_for(lambda: child("query")["tiers"][2] == swap, "block 2 in swap")
+            assert child("discard", blocks=[2], drop=False)["blocks"] == 1
+            ctl(d, "measure", rid)
+            wait_for(lambda: child("query")["tiers"][2] == swap, "undropped block found in swap again")
     finally:
         assert d.stop() == 0
 

@@ -1,15 +1,20 @@
-"""A shortened run of the demo in the guest: the driver starts kvtierd and
-the synthetic workload whose pool starts on the far node, and kvtier must
-bring the hot set up into DRAM.
+"""A shortened run of the demo in the guest, all three modes in one boot:
+the driver runs the synthetic workload (its shared prefix starting on the
+far node, finished sessions' blocks discarded) with kvtierd, with
+numa_balancing=2 and with neither, same seed, same DRAM.
 
-Asserts on outcomes, not speed: the share of block reads served from DRAM
-(measured by the workload from the kernel) is higher at the end than in the
-first seconds, blocks moved far0 -> dram per the daemon's own counters,
-and DRAM holds no more than its target.
+Asserts the demo's claim on outcomes, not speed, with the report's own
+code (scripts/demo/report.py): kvtier's share of block reads served from
+DRAM (measured by the workload from the kernel) is the highest by a wide
+margin; the bytes it moved (kernel counters) are within a small multiple of
+what the hot set's turnover requires on its run's own reads, and below what
+an LRU ideal moves; DRAM holds no more than its target (but the first-touch
+allocations of one tick); blocks moved up per the daemon's counters.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -24,40 +29,65 @@ pytestmark = pytest.mark.vm
 
 REPO = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
-SECONDS = 40
+SECONDS = 30
+MODES = ("kvtier", "numa_balancing", "none")
 
 
-def test_demo_brings_the_hot_set_into_dram(tmp_path):
+def _report():
+    spec = importlib.util.spec_from_file_location("demo_report", REPO / "scripts" / "demo" / "report.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_demo_kvtier_serves_most_from_dram_moving_near_the_turnover(tmp_path):
     out = tmp_path / "demo"
     r = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "demo" / "driver.py"), "--out", str(out),
-         "--run-dir", str(tmp_path / "run"), "--duration", str(SECONDS), "--modes", "kvtier"],
-        capture_output=True, text=True, timeout=SECONDS + scaled(180),
+         "--run-dir", str(tmp_path / "run"), "--duration", str(SECONDS), "--modes", ",".join(MODES)],
+        capture_output=True, text=True, timeout=len(MODES) * (SECONDS + scaled(150)),
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     status = (out / "status.log").read_text()
-    out = out / "kvtier"
-    timeline = [json.loads(line) for line in (out / "timeline.jsonl").read_text().splitlines()]
-    assert len(timeline) >= 10
-    meta = json.loads((out / "run.json").read_text())
+    report = _report()
+    rows = {}
+    for mode in MODES:
+        timeline, meta, summary = report.load(out / mode)
+        assert len(timeline) >= SECONDS // 2, mode
+        row = report.mode_row(mode, timeline, summary)
+        target, block = int(meta["budgets"]["0"]), int(summary["block_bytes"])
+        row["turnover"] = report.turnover(timeline, target, block)
+        row["lru_ideal"] = report.turnover(timeline, target, block, reenter=True)
+        rows[mode] = row
+    kv = rows["kvtier"]
+    # 2026-12-02, 60 s runs: kvtier 92 %, numa_balancing 41 %, none 39 %.
+    for mode in ("numa_balancing", "none"):
+        assert kv["mean"] > rows[mode]["mean"] + 0.2, rows
+    # 60 s: 156 MiB moved; the turnover floor 62 MiB, the LRU ideal 406 MiB.
+    floor, lru = kv["turnover"], kv["lru_ideal"]
+    assert floor["bytes"] > 0 and kv["moved"] <= 4 * floor["bytes"], (kv["moved"], floor)
+    assert kv["moved"] < lru["bytes"], (kv["moved"], lru)
+
+    run = out / "kvtier"
+    timeline, meta, _ = report.load(run)
     dram = meta["tiers"][0]["name"]
 
     def residency(records):
         reads = sum(x["reads"] for x in records)
         return sum(x["reads_by_tier"].get(dram, 0) for x in records) / reads
 
-    # The pool starts on the far node: almost nothing is in DRAM at first.
-    assert residency(timeline[:2]) < 0.3
     assert residency(timeline[-10:]) > residency(timeline[:2]) + 0.3
+    # New blocks land by first touch before the daemon's next tick sees them.
     target = int(meta["budgets"]["0"])
-    assert all(x["pool_bytes"].get(dram, 0) <= target for x in timeline)
+    assert all(x["pool_bytes"].get(dram, 0) <= target + 2 * (2 * MIB) for x in timeline), \
+        [x["pool_bytes"].get(dram, 0) // MIB for x in timeline]
 
     samples = {}
-    for fam in text_string_to_metric_families((out / "metrics.txt").read_text()):
+    for fam in text_string_to_metric_families((run / "metrics.txt").read_text()):
         for s in fam.samples:
             samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
     up = sum(v for (name, labels), v in samples.items()
              if name == "kvtier_migrated_bytes_total" and dict(labels)["dst"] == dram)
-    assert up >= 8 * MIB
+    assert up >= 8 * MIB  # the shared prefix, at least
     # The workload's status lines went to the console log the host tails.
     assert "reads served from" in status and "workload exited 0" in status

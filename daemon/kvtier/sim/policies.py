@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..blocks import F_NOT_PRESENT, FIELDS, TIER_UNKNOWN, BlockTable
+from ..blocks import F_NOT_PRESENT, FIELDS, BlockTable
 from ..hotness import DEFAULT_TAU_S, END_OF_RUN, SOURCE_WEIGHTS, Temperature, apply_phase
 from ..policy import PolicyConfig, PolicyState, plan, record_results, refund
 
@@ -288,10 +288,10 @@ class Kvtier(SimPolicy):
         apply_phase(self.table, released, "free")
 
     def freed(self, rows):
-        self.table.tier[rows] = TIER_UNKNOWN
-        self.table.flags[rows] = F_NOT_PRESENT
-        self.table.temp[rows] = 0
-        self.table.last_access[rows] = -np.inf
+        # A trace's free is a slot whose pages are gone (the engine model
+        # reuses it by first touch): what a client's discard with the drop
+        # tells the daemon, through the same code.
+        apply_phase(self.table, rows, "discard")
 
     def decide(self, now):
         p, self.state = plan(self.view, self.tiers, self.cfg, self.state, now)
