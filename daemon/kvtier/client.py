@@ -381,6 +381,11 @@ class Region:
         arr = np.asarray(blocks, dtype=np.int64).ravel()
         if arr.size and (arr.min() < 0 or arr.max() >= self.nblocks):
             raise ValueError(f"block index out of range 0..{self.nblocks - 1} for region {self.id}")
+        if drop and self.placement.get("pinned"):
+            # A pinned pool (cudaHostRegister, RDMA) must keep its pages: a
+            # device keeps reading the frames the pin holds, whatever the
+            # process's page tables say.
+            raise ValueError(f"region {self.id} is pinned: its pages cannot be dropped; discard(blocks, drop=False)")
         if drop:
             drop_blocks(self.start, self.block_size, arr)
         return self.phase("discard", arr)
