@@ -333,6 +333,7 @@ def apply_phase(table: BlockTable, rows: np.ndarray, phase: str) -> None:
         table.tier[paged] = TIER_UNKNOWN
         table.temp[rows] = 0.0
         table.fresh[rows] = _RESTART
+        table.check_at[rows] = np.inf  # no run to end until a read starts one (and arms it)
         table.runs[rows] = 0.0
         table.last_access[rows] = -np.inf
         table.last_move[rows] = -np.inf
