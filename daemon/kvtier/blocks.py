@@ -13,6 +13,8 @@ and ``TIER_MIXED`` one whose pages straddle tiers.
 
 from __future__ import annotations
 
+import mmap
+import platform
 from dataclasses import dataclass
 
 import numpy as np
@@ -94,6 +96,46 @@ class Slice:
         return self.start + self.count
 
 
+def _zeros(count: int, dtype: np.dtype) -> np.ndarray:
+    """An array of zeros in its own anonymous mapping: pages cost memory
+    only once written, whatever malloc's mmap threshold has grown to (a
+    calloc served from the heap would zero, and so touch, all of it), and
+    without reserving swap for the untouched part where the kernel lets us."""
+    nbytes = count * dtype.itemsize
+    if nbytes < (1 << 20):
+        return np.zeros(count, dtype=dtype)
+    return np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE),
+                         dtype=dtype)
+
+
+# Linux's MAP_NORESERVE where the mmap module does not name it (0x4000 on
+# x86, arm and the generic ABI; other values elsewhere, so only there).
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if platform.machine() in ("x86_64", "aarch64") else 0)
+
+
+@dataclass
+class Staged:
+    """A region's rows being written in steps past the table's used part,
+    where no reader looks (``BlockTable.stage``/``fill``/``publish``)."""
+
+    pid: int
+    start: int
+    length: int
+    block_size: int
+    flags: int
+    priority: int
+    tenant: int
+    count: int
+    at: int = -1  # first row written to; -1: not begun
+    done: int = 0  # rows written from ``at``
+    version: int = -1  # the table's layout when the rows were written
+    restarts: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.done == self.count
+
+
 class BlockTable:
     """Growable struct-of-arrays; region ``r`` lives in ``self.slices[r]``."""
 
@@ -101,10 +143,21 @@ class BlockTable:
         self._cap = max(16, capacity)
         self.n = 0
         self.slices: dict[int, Slice] = {}
-        # np.zeros of a large array maps zero pages lazily: capacity not yet
-        # used costs no memory, so nothing may write to it before add_region
-        # (which sets every field of its slice, defaults included).
-        self._a: dict[str, np.ndarray] = {name: np.zeros(self._cap, dtype=dt) for name, dt in FIELDS.items()}
+        # Zero pages are mapped lazily: capacity not yet used costs no
+        # memory, so the daemon reserves room for limits.max_blocks_total
+        # up front and never copies the table to grow it (a grow copied
+        # every row and first-touched the new arrays: 10-45 ms of the loop
+        # thread at 256 Ki blocks, hundreds of ms on a busy host). Nothing
+        # may read rows past ``n``; add_region and fill set every field.
+        try:
+            self._a: dict[str, np.ndarray] = {name: _zeros(self._cap, dt) for name, dt in FIELDS.items()}
+        except (OSError, MemoryError):  # no address space or commit charge for it: grow as needed
+            self._cap = 1024
+            self._a = {name: _zeros(self._cap, dt) for name, dt in FIELDS.items()}
+        # Bumped whenever rows past ``n`` may have been overwritten or the
+        # arrays replaced: a Staged region written before must start again.
+        self.version = 0
+        self._staging: Staged | None = None
 
     def __len__(self) -> int:
         return self.n
@@ -123,10 +176,11 @@ class BlockTable:
         while cap < need:
             cap *= 2
         for name, arr in self._a.items():
-            new = np.zeros(cap, dtype=arr.dtype)
+            new = _zeros(cap, arr.dtype)
             new[: self.n] = arr[: self.n]
             self._a[name] = new
         self._cap = cap
+        self.version += 1
 
     def add_region(
         self,
@@ -141,25 +195,42 @@ class BlockTable:
         tenant: int = 0,
     ) -> Slice:
         """Append the blocks of one region; the last block may be short."""
-        if region in self.slices:
-            raise KeyError(f"region {region} already in the block table")
+        st = self.stage(pid, start, length, block_size, flags=flags, priority=priority, tenant=tenant)
+        return self.publish(st, region)
+
+    def stage(self, pid: int, start: int, length: int, block_size: int, *, flags: int = 0,
+              priority: int = 0, tenant: int = 0) -> Staged:
+        """A region to add in steps: ``fill`` writes its rows a slice at a
+        time past the used part (no reader sees them), ``publish`` makes it
+        part of the table at once. Between steps the table may change
+        (another region added or removed): the rows then start again."""
         count = (length + block_size - 1) // block_size
-        s = Slice(self.n, count)
-        self._grow(self.n + count)
-        sl = slice(s.start, s.stop)
+        return Staged(pid, start, length, block_size, flags, priority, tenant, count)
+
+    def fill(self, st: Staged, rows: int) -> bool:
+        """Write up to ``rows`` more of ``st``'s rows; True once all are written."""
+        if st.at != self.n or st.version != self.version or self._staging is not st:
+            if st.at >= 0:
+                st.restarts += 1
+            self._grow(self.n + st.count)
+            st.at, st.done, st.version = self.n, 0, self.version
+            self._staging = st
+        k = min(rows, st.count - st.done)
+        if k <= 0:
+            return st.complete
+        lo, hi = st.at + st.done, st.at + st.done + k
+        sl = slice(lo, hi)
         a = self._a
-        idx = np.arange(count, dtype=np.uint64)
-        a["region"][sl] = region
+        idx = np.arange(st.done, st.done + k, dtype=np.uint64)
         a["index"][sl] = idx.astype(np.int32)
-        a["addr"][sl] = np.uint64(start) + idx * np.uint64(block_size)
-        sizes = np.full(count, block_size, dtype=np.uint64)
-        if count:
-            sizes[-1] = length - (count - 1) * block_size
-        a["nbytes"][sl] = sizes
-        a["pid"][sl] = pid
-        a["flags"][sl] = flags | F_NOT_PRESENT
-        a["priority"][sl] = priority
-        a["tenant"][sl] = tenant
+        a["addr"][sl] = np.uint64(st.start) + idx * np.uint64(st.block_size)
+        a["nbytes"][sl] = st.block_size
+        if hi == st.at + st.count:
+            a["nbytes"][hi - 1] = st.length - (st.count - 1) * st.block_size
+        a["pid"][sl] = st.pid
+        a["flags"][sl] = st.flags | F_NOT_PRESENT
+        a["priority"][sl] = st.priority
+        a["tenant"][sl] = st.tenant
         for name, dflt in _DEFAULTS.items():
             a[name][sl] = dflt
         a["temp"][sl] = 0
@@ -168,8 +239,20 @@ class BlockTable:
         a["fail_count"][sl] = 0
         a["stuck"][sl] = STUCK_NONE
         a["returns"][sl] = 0
-        self.n += count
+        st.done += k
+        return st.complete
+
+    def publish(self, st: Staged, region: int) -> Slice:
+        """Make ``st`` region ``region``'s slice (writing what is left first)."""
+        if region in self.slices:
+            raise KeyError(f"region {region} already in the block table")
+        self.fill(st, st.count)
+        s = Slice(self.n, st.count)
+        self._a["region"][s.start : s.stop] = region
+        self.n += st.count
         self.slices[region] = s
+        self._staging = None
+        self.version += 1
         return s
 
     def remove_region(self, region: int) -> None:
@@ -179,6 +262,7 @@ class BlockTable:
         for arr in self._a.values():
             arr[s.start : self.n - s.count] = arr[tail].copy()
         self.n -= s.count
+        self.version += 1
         self.slices = {
             r: (Slice(v.start - s.count, v.count) if v.start > s.start else v)
             for r, v in self.slices.items()

@@ -108,7 +108,7 @@ class Daemon:
         """Wiring only: each collaborator is complete when constructed (the
         config was validated by config.load; announce() logs what was found)."""
         cfg, d, lim = self.cfg, self.cfg.daemon, self.cfg.limits
-        self.table = BlockTable()
+        self.table = BlockTable(lim.max_blocks_total)  # address space only, until blocks are registered
         self.temperature = hotness.Temperature(cfg.hotness.tau_s, cfg.hotness.end_of_run)
         self.watcher = PidfdWatcher(loop)
         self.recorder = self._recorder(cfg)

@@ -34,6 +34,7 @@ from kvtier.blocks import (
     F_UNMOVABLE,
     STUCK_DECLARED,
     BlockTable,
+    Staged,
 )
 from kvtier.hotness import SOURCE_WEIGHTS, Temperature, apply_phase
 from kvtier.errors import InvalidArgument, KvtierError, ProcessGone
@@ -44,6 +45,18 @@ log = logging.getLogger("kvtier.registry")
 
 CONSTRAINT_FLAGS = {"keep_dram": F_KEEP_DRAM, "never_swap": F_NEVER_SWAP}
 MIN_BLOCK_SIZE = 4096
+
+
+def _flags(constraints, pinned: bool, engine: bool) -> int:
+    """A new region's initial flags bits."""
+    flags = 0
+    for c in constraints:
+        flags |= CONSTRAINT_FLAGS[c]
+    if pinned:
+        flags |= F_UNMOVABLE
+    if engine:
+        flags |= F_ENGINE
+    return flags
 
 
 # Region ids travel as the protocol's `region` type: 1..2^31-1.
@@ -202,11 +215,66 @@ class Registry:
         placement: dict | None = None,
         pinned: bool = False,
         engine_tiers: np.ndarray | None = None,
+        staged: Staged | None = None,
     ) -> Region:
         """Validate and add a region. ``start_time`` (re-adoption) must match
         the live process's; ``region_id`` keeps the id a client already holds.
         ``engine_tiers`` (one per block) makes it an engine-mode region: no
-        memory of the process is named, so no mapping or overlap is checked."""
+        memory of the process is named, so no mapping or overlap is checked.
+        ``staged`` (from ``stage``, filled since): its rows become the
+        region's, checked again here as the table may have changed."""
+        nblocks, live_start = self._admit(pid, start, length, block_size, start_time, engine_tiers)
+        engine = engine_tiers is not None
+        if pid not in self.by_pid and self.watcher is not None:
+            self.watcher.watch(pid, self.drop_pid)
+        if region_id is None:
+            region_id = self._free_id()
+            self.next_id = region_id + 1
+        elif region_id in self.regions:
+            raise Overlap(f"region id {region_id} already in use")
+        else:
+            self.next_id = max(self.next_id, region_id + 1)
+        flags = _flags(constraints, pinned, engine)
+        tid = self.tenant_id(tenant)
+        if staged is None:
+            self.table.add_region(
+                region_id, pid, start, length, block_size, flags=flags, priority=priority, tenant=tid
+            )
+        else:
+            if (staged.pid, staged.start, staged.length, staged.block_size, staged.flags, staged.priority,
+                    staged.tenant) != (pid, start, length, block_size, flags, priority, tid):
+                raise InvalidArgument("staged rows are not this region's")
+            self.table.publish(staged, region_id)
+        if pinned:
+            self.table.region_view(region_id, "stuck")[:] = STUCK_DECLARED
+        if engine:
+            self.set_engine_tiers(region_id, engine_tiers)
+        reg = Region(
+            id=region_id, pid=pid, start_time=live_start, start=start, length=length,
+            block_size=block_size, nblocks=nblocks, name=name, tenant=tenant, tenant_id=tid,
+            priority=priority, constraints=tuple(constraints), owner_uid=owner_uid, adopted_by=adopted_by,
+            placement=dict(placement) if placement else None, pinned=bool(pinned),
+            mode="engine" if engine else "kernel",
+        )
+        self.regions[region_id] = reg
+        self.drop_reasons.pop(region_id, None)
+        if self.recorder is not None:
+            self.recorder.region_added(region_id)
+        self.by_pid.setdefault(pid, set()).add(region_id)
+        self.pid_start[pid] = live_start
+        self.stats.regions_registered_total += 1
+        self.generation += 1
+        self._gauges()
+        self.on_change()
+        self.on_added(region_id)
+        logs.event(log, "region_registered", region=region_id, pid=pid, name=name, tenant=tenant,
+                   bytes=length, blocks=nblocks, block_size=block_size)
+        return reg
+
+    def _admit(self, pid: int, start: int, length: int, block_size: int, start_time: int | None,
+               engine_tiers: np.ndarray | None) -> tuple[int, int]:
+        """Every check a new region must pass (limits, overlap, the process
+        and its mapping): (blocks, the process's start time)."""
         lim = self.limits
         if block_size < MIN_BLOCK_SIZE:
             raise InvalidArgument(f"block_size {block_size} is below the minimum {MIN_BLOCK_SIZE}")
@@ -244,7 +312,7 @@ class Registry:
                 )
         # The process must be the one we think it is *before* its maps are
         # trusted: read the start time, then the maps, then the start time
-        # again is unnecessary because the pidfd opened by watch() below pins
+        # again is unnecessary because the pidfd opened by watch() in add pins
         # the identity; a mismatch with a remembered start time means reuse.
         live_start = self.processes.start_time(pid)
         if start_time is not None and live_start != start_time:
@@ -254,51 +322,18 @@ class Registry:
                 raise InvalidArgument(f"{engine_tiers.size} tiers for {nblocks} blocks")
         else:
             self.processes.check_range(pid, start, length)
-        if pid not in self.by_pid and self.watcher is not None:
-            self.watcher.watch(pid, self.drop_pid)
-        if region_id is None:
-            region_id = self._free_id()
-            self.next_id = region_id + 1
-        elif region_id in self.regions:
-            raise Overlap(f"region id {region_id} already in use")
-        else:
-            self.next_id = max(self.next_id, region_id + 1)
-        flags = 0
-        for c in constraints:
-            flags |= CONSTRAINT_FLAGS[c]
-        if pinned:
-            flags |= F_UNMOVABLE
-        if engine:
-            flags |= F_ENGINE
-        tid = self.tenant_id(tenant)
-        self.table.add_region(
-            region_id, pid, start, length, block_size, flags=flags, priority=priority, tenant=tid
-        )
-        if pinned:
-            self.table.region_view(region_id, "stuck")[:] = STUCK_DECLARED
-        if engine:
-            self.set_engine_tiers(region_id, engine_tiers)
-        reg = Region(
-            id=region_id, pid=pid, start_time=live_start, start=start, length=length,
-            block_size=block_size, nblocks=nblocks, name=name, tenant=tenant, tenant_id=tid,
-            priority=priority, constraints=tuple(constraints), owner_uid=owner_uid, adopted_by=adopted_by,
-            placement=dict(placement) if placement else None, pinned=bool(pinned),
-            mode="engine" if engine else "kernel",
-        )
-        self.regions[region_id] = reg
-        self.drop_reasons.pop(region_id, None)
-        if self.recorder is not None:
-            self.recorder.region_added(region_id)
-        self.by_pid.setdefault(pid, set()).add(region_id)
-        self.pid_start[pid] = live_start
-        self.stats.regions_registered_total += 1
-        self.generation += 1
-        self._gauges()
-        self.on_change()
-        self.on_added(region_id)
-        logs.event(log, "region_registered", region=region_id, pid=pid, name=name, tenant=tenant,
-                   bytes=length, blocks=nblocks, block_size=block_size)
-        return reg
+        return nblocks, live_start
+
+    def stage(self, pid: int, start: int, length: int, block_size: int, *, tenant: str = "",
+              priority: int = 0, constraints: tuple[str, ...] | list[str] = (),
+              start_time: int | None = None, pinned: bool = False) -> Staged:
+        """Check a region as ``add`` would and hand back its rows to write in
+        steps (BlockTable.fill), for ``add(..., staged=)`` once written: a
+        large region then costs the loop a slice of rows per step instead
+        of all of them at once."""
+        self._admit(pid, start, length, block_size, start_time, None)
+        return self.table.stage(pid, start, length, block_size, flags=_flags(constraints, pinned, False),
+                                priority=priority, tenant=self.tenant_id(tenant))
 
     def set_engine_tiers(self, region_id: int, tiers: np.ndarray) -> None:
         """Where an engine-mode region's blocks are, as its owner says (the

@@ -252,6 +252,62 @@ def test_backlogged_connections_delay_another_request_by_one_turn_not_one_each(w
         assert d.stop() == 0
 
 
+def test_a_large_register_is_written_in_steps_others_answered_meanwhile(workdir):
+    """Defect 2, registration: a register of a 1 Mi-block region wrote all
+    its rows in one handler (4-8 ms quiet, 478 ms on a busy host, while
+    every other client waited: robustness.py's slowest request). Its rows
+    are now written a step per loop iteration and the region appears at
+    once when they are all written: a query sent on another connection
+    right after the register is answered before the register is, and the
+    region is then whole."""
+    import mmap
+
+    from kvtier.server import STAGE_ROWS
+
+    nblocks = 1 << 20
+    d = DaemonProc(workdir).start()
+    small = mmap.mmap(-1, 16 * 4096)
+    big = mmap.mmap(-1, nblocks * 4096)  # address space only: never touched
+    try:
+        addr = protocol_addr(big)
+        good, x = _connect(d.sock), _connect(d.sock)
+        greader, xreader = protocol.FrameReader(1 << 30), protocol.FrameReader(1 << 30)
+        rid = raw_call(good, greader, {"op": "register", "id": 1, "start": protocol_addr(small),
+                                       "length": 16 * 4096, "block_size": 4096}).result["region"]
+        query = protocol.frame(msgspec.msgpack.encode({"op": "query", "id": 2, "region": rid}))
+        x.sendall(protocol.frame(msgspec.msgpack.encode(
+            {"op": "register", "id": 3, "start": addr, "length": nblocks * 4096, "block_size": 4096})))
+        good.sendall(query)
+        assert raw_call(good, greader, None).ok
+        x.setblocking(False)
+        try:
+            early = x.recv(1 << 16)
+        except BlockingIOError:
+            early = b""
+        assert not early, (f"the register of {nblocks} blocks ({nblocks // STAGE_ROWS} steps) was answered "
+                           "before a query sent after it on another connection")
+        x.setblocking(True)
+        x.settimeout(DEADLINE)
+        r = raw_call(x, xreader, None)
+        assert r.ok and r.result["blocks"] == nblocks, r
+        page = raw_call(x, xreader, {"op": "blocks", "id": 4, "region": r.result["region"],
+                                     "first": nblocks - 3, "count": 3}).result
+        assert page["count"] == 3 and "next" not in page
+        assert raw_call(good, greader, {"op": "query", "id": 5, "region": rid}).ok
+        good.close()
+        x.close()
+    finally:
+        small.close()
+        big.close()
+        assert d.stop() == 0
+
+
+def protocol_addr(buf) -> int:
+    from kvtier.client import buffer_address
+
+    return buffer_address(buf)[0]
+
+
 def test_unread_answers_stop_the_daemon_answering(workdir):
     """Defect 2: a client that pipelines big requests and reads nothing gets
     at most the unread-answer high water (4 MiB) answered ahead, not all of
