@@ -12,6 +12,14 @@ far above its CPU time was waiting for the GIL (a daemon thread held it) or
 for a CPU (the host is busy); one whose CPU time is long is work done on the
 loop that every other client waits behind. Written to OUT.json when the
 daemon exits (SIGTERM). robustness.py --loop-profile uses it.
+
+With KVTIER_TRACE_UID=N in the environment it also keeps a timeline
+(robustness.py --trace): every callback with its start, wall time, and the
+loop thread's run and run-queue wait from /proc/thread-self/schedstat (so
+wall = run + waiting for a CPU + asleep, and asleep inside a callback is
+waiting for the GIL or a blocking call), every request handled (start, end,
+op, uid, connection), every read of a connection of uid N, and the daemon's
+threads by native id and name.
 """
 
 from __future__ import annotations
@@ -19,7 +27,9 @@ from __future__ import annotations
 import asyncio.events
 import collections
 import json
+import os
 import sys
+import threading
 import time
 
 import numpy as np
@@ -40,23 +50,57 @@ def _name(cb) -> str:
     return name if uid is None else f"{name} uid={uid}"
 
 
+def _conn_of(cb) -> int:
+    owner = getattr(cb, "__self__", None)
+    proto = getattr(owner, "_protocol", owner)
+    peer = getattr(proto, "peer", None)
+    return id(peer) if peer is not None else 0
+
+
 def install(out_path: str) -> None:
     wall: dict[str, list[float]] = collections.defaultdict(list)
     cpu: dict[str, list[float]] = collections.defaultdict(list)
     slow: list[tuple[float, str, float, float]] = []
     orig = asyncio.events.Handle._run
+    trace_uid = os.environ.get("KVTIER_TRACE_UID")
+    timeline: list[tuple] = []  # (t0, wall_s, run_ns, wait_ns, key, conn)
+    requests: list[tuple] = []  # (t0, t1, op, uid, conn)
+    reads: list[tuple] = []  # (t, conn, nbytes) for uid trace_uid
+    turns: list[tuple] = []  # (t0, t1, uid, conn): one connection's turn, in data_received or queued
+    sched_fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY) if trace_uid is not None else -1
+
+    thread_names: dict[int, str] = {}
+    if trace_uid is not None:
+        # named at start: pool threads may have exited by the time we dump
+        bootstrap = threading.Thread._bootstrap_inner
+
+        def named_bootstrap(self):
+            thread_names[threading.get_native_id()] = self.name
+            return bootstrap(self)
+
+        threading.Thread._bootstrap_inner = named_bootstrap
+
+    def _sched() -> tuple[int, int]:
+        run, wait, _ = os.pread(sched_fd, 80, 0).split()
+        return int(run), int(wait)
 
     def _run(self):
+        cb = self._callback  # read first: a handle cancelled while it runs has None here afterwards
         t0, c0 = time.perf_counter(), time.thread_time()
+        if sched_fd >= 0:
+            r0, q0 = _sched()
         try:
             return orig(self)
         finally:
             w, c = time.perf_counter() - t0, time.thread_time() - c0
-            key = _name(self._callback)
+            key = _name(cb)
             wall[key].append(w)
             cpu[key].append(c)
             if w > 0.001:
                 slow.append((t0, key, w * 1e3, c * 1e3))
+            if sched_fd >= 0:
+                r1, q1 = _sched()
+                timeline.append((t0, w, r1 - r0, q1 - q0, key, _conn_of(cb)))
 
     asyncio.events.Handle._run = _run
 
@@ -71,13 +115,78 @@ def install(out_path: str) -> None:
         try:
             return handle(self, peer, req)
         finally:
-            w = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            w = t1 - t0
             if w > 0.001:
                 slow_ops.append((t0, req.__struct_config__.tag, peer.uid, w * 1e3, (time.thread_time() - c0) * 1e3))
+            if sched_fd >= 0:
+                requests.append((t0, t1, req.__struct_config__.tag, peer.uid, id(peer)))
 
     server.ControlAPI.handle = timed_handle
 
+    if trace_uid is not None:
+        want = int(trace_uid)
+        data_received = server.Connection.data_received
+
+        def traced_data_received(self, data):
+            if self.peer is not None and self.peer.uid == want:
+                reads.append((time.perf_counter(), id(self.peer), len(data)))
+            return data_received(self, data)
+
+        server.Connection.data_received = traced_data_received
+        turn = server.Connection._turn
+
+        def traced_turn(self, queued=True):
+            t0 = time.perf_counter()
+            try:
+                return turn(self, queued)
+            finally:
+                if self.peer is not None:
+                    turns.append((t0, time.perf_counter(), self.peer.uid, id(self.peer)))
+
+        server.Connection._turn = traced_turn
+
+    # KVTIER_PROFILE_SLOW=MS: cProfile each engine tick, summary refresh and
+    # request handler; keep the profiles of calls over MS milliseconds (the
+    # functions they spent their time in, written as OUT.json.NAME.txt).
+    slow_profiles: dict[str, "pstats.Stats"] = {}
+    slow_ms = float(os.environ.get("KVTIER_PROFILE_SLOW", "0"))
+    if slow_ms:
+        import cProfile
+        import functools
+        import pstats
+        from kvtier import daemon as daemon_mod, engine as engine_mod
+
+        def profiled(name_of, fn):
+            @functools.wraps(fn)
+            def wrapper(*args, **kw):
+                prof = cProfile.Profile()
+                t0 = time.perf_counter()
+                prof.enable()
+                try:
+                    return fn(*args, **kw)
+                finally:
+                    prof.disable()
+                    if (time.perf_counter() - t0) * 1e3 > slow_ms:
+                        name = name_of(args)
+                        if name in slow_profiles:
+                            slow_profiles[name].add(prof)
+                        else:
+                            slow_profiles[name] = pstats.Stats(prof)
+            return wrapper
+
+        engine_mod.Engine.tick = profiled(lambda a: "tick", engine_mod.Engine.tick)
+        daemon_mod.Daemon._summarize = profiled(lambda a: "summarize", daemon_mod.Daemon._summarize)
+        server.ControlAPI.handle = profiled(lambda a: "op_" + a[2].__struct_config__.tag, server.ControlAPI.handle)
+
     def dump() -> None:
+        import io
+        for name, st in slow_profiles.items():
+            buf = io.StringIO()
+            st.stream = buf
+            st.sort_stats("cumulative").print_stats(40)
+            with open(f"{out_path}.{name}.txt", "w") as f:
+                f.write(buf.getvalue())
         rows = {}
         for k, ws in wall.items():
             w = np.array(ws) * 1e3
@@ -86,9 +195,13 @@ def install(out_path: str) -> None:
                        "wall_p99_ms": float(np.percentile(w, 99)), "wall_max_ms": float(w.max()),
                        "cpu_max_ms": float(c.max()),
                        "over_ms": {str(e): int((w > e).sum()) for e in EDGES_MS if (w > e).any()}}
+        out = {"callbacks": dict(sorted(rows.items(), key=lambda kv: -kv[1]["wall_ms_total"])),
+               "slow": slow, "slow_ops": slow_ops}
+        if sched_fd >= 0:
+            out.update(timeline=timeline, requests=requests, reads=reads, turns=turns, loop_tid=threading.main_thread().native_id,
+                       threads={**thread_names, **{t.native_id: t.name for t in threading.enumerate()}})
         with open(out_path, "w") as f:
-            json.dump({"callbacks": dict(sorted(rows.items(), key=lambda kv: -kv[1]["wall_ms_total"])),
-                       "slow": slow, "slow_ops": slow_ops}, f, indent=1)
+            json.dump(out, f, indent=None if sched_fd >= 0 else 1)
 
     import atexit
     atexit.register(dump)

@@ -46,6 +46,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from protocol_bench import machine, wait_ready  # noqa: E402
+from robust_trace import SchedSampler, attribute  # noqa: E402
 
 from kvtier import protocol  # noqa: E402
 from kvtier.client import Client  # noqa: E402
@@ -72,6 +73,7 @@ def good_client(sock: str, seconds: float, tx) -> None:
     region = c.register(buf, block_size=65536, name="good")
     lat = []
     slow = []  # (perf_counter start, seconds) of requests over 2 ms, to line up with --loop-profile
+    starts = []  # perf_counter (CLOCK_MONOTONIC, as the daemon's) at each request's send
     errors = 0
     end = time.monotonic() + seconds
     while time.monotonic() < end:
@@ -82,11 +84,12 @@ def good_client(sock: str, seconds: float, tx) -> None:
             errors += 1
         dt = time.perf_counter() - t0
         lat.append(dt)
+        starts.append(t0)
         if dt > 0.002:
             slow.append((t0, dt))
         time.sleep(0.002)
     region.unregister()
-    tx.send({"lat": lat, "errors": errors, "slow": slow})
+    tx.send({"lat": lat, "errors": errors, "slow": slow, "starts": starts, "pid": os.getpid()})
 
 
 def _drop() -> None:
@@ -204,14 +207,17 @@ def attacker(kind: str, path: str, seconds: float, tx) -> None:
 ATTACKS = ("flood", "blocks", "halfframes", "stall", "deep", "garbage", "conns")
 
 
-def run_phase(ctx, sock: str, seconds: float) -> dict:
+def run_phase(ctx, sock: str, seconds: float, sched: "SchedSampler | None" = None) -> dict:
     rx, tx = ctx.Pipe(duplex=False)
     p = ctx.Process(target=good_client, args=(sock, seconds, tx))
     p.start()
+    if sched is not None:
+        sched.watch("good", p.pid)
     out = rx.recv()
     p.join()
     lat = np.array(out["lat"])
     return {"requests": int(lat.size), "errors": out["errors"], "slow": out["slow"],
+            "trace": list(zip(out["starts"], out["lat"])),
             "p50_ms": float(np.percentile(lat, 50) * 1e3), "p99_ms": float(np.percentile(lat, 99) * 1e3),
             "max_ms": float(lat.max() * 1e3), "over_100ms": int((lat > 0.1).sum())}
 
@@ -224,6 +230,9 @@ def main() -> int:
                     help="comma-separated subset of: %(default)s")
     ap.add_argument("--loop-profile", metavar="OUT.json",
                     help="time every event-loop callback of the daemon (scripts/bench/loop_profile.py)")
+    ap.add_argument("--trace", metavar="OUT.json",
+                    help="where each good request waited: the daemon's loop timeline and every thread's "
+                         "and process's CPU and run-queue wait (scripts/bench/robust_trace.py)")
     a = ap.parse_args()
     kinds = [k for k in a.attacks.split(",") if k]
     if set(kinds) - set(ATTACKS):
@@ -239,17 +248,27 @@ def main() -> int:
                 "[metrics]\nenabled = false\n")
     log = os.path.join(work, "log")
     cmd = [sys.executable, "-m", "kvtier.daemon", "-c", cfg]
-    if a.loop_profile:
+    env = dict(os.environ)
+    profile = a.loop_profile
+    if a.trace:
+        profile = profile or os.path.join(work, "loop.json")
+        env["KVTIER_TRACE_UID"] = str(os.geteuid())  # the good client's; the attackers run as nobody
+    if profile:
         here = os.path.dirname(os.path.abspath(__file__))
-        cmd = [sys.executable, os.path.join(here, "loop_profile.py"), os.path.abspath(a.loop_profile),
+        cmd = [sys.executable, os.path.join(here, "loop_profile.py"), os.path.abspath(profile),
                "--", "-c", cfg]
-    d = subprocess.Popen(cmd, stderr=open(log, "w"))
+    d = subprocess.Popen(cmd, stderr=open(log, "w"), env=env)
     wait_ready(d, sock, log)
+    sched = None
+    if a.trace:
+        sched = SchedSampler()
+        sched.watch_daemon(d.pid)
+        sched.start()
     ctx = multiprocessing.get_context("fork")
     time.sleep(1.0)
     load_before = os.getloadavg()
     before = proc_status(d.pid)
-    baseline = run_phase(ctx, sock, a.seconds)
+    baseline = run_phase(ctx, sock, a.seconds, sched)
 
     peak = [before["VmRSS"]]
     stop = threading.Event()
@@ -268,7 +287,9 @@ def main() -> int:
     attackers = [ctx.Process(target=attacker, args=(k, sock, a.seconds + 2, tx)) for k in kinds]
     for p in attackers:
         p.start()
-    attack = run_phase(ctx, sock, a.seconds)
+        if sched is not None:
+            sched.watch(f"attacker:{kinds[attackers.index(p)]}", p.pid)
+    attack = run_phase(ctx, sock, a.seconds, sched)
     reports = [rx.recv() for _ in attackers if rx.poll(a.seconds + 30)]
     for p in attackers:
         p.join(a.seconds + 30)
@@ -295,6 +316,18 @@ def main() -> int:
         "threads_before": before["Threads"], "threads_after": after.get("Threads"),
     }
     slow = {"baseline": baseline.pop("slow"), "attack": attack.pop("slow")}
+    traces = {"baseline": baseline.pop("trace"), "attack": attack.pop("trace")}
+    if sched is not None:
+        sched.stop()
+        with open(profile) as f:
+            prof = json.load(f)
+        names = {f"daemon:{tid}": f"daemon {name}" for tid, name in prof["threads"].items()}
+        names[f"daemon:{prof['loop_tid']}"] = "daemon loop"
+        full = {phase: attribute(traces[phase], prof, sched, names) for phase in traces}
+        with open(a.trace, "w") as f:
+            json.dump(full, f, indent=1)
+        # printed: the totals and the three slowest requests of each phase (all in the --trace file)
+        result["trace"] = {phase: {**t, "worst": t.get("worst", [])[:3]} for phase, t in full.items()}
     print(json.dumps(result, indent=2))
     result["slow_requests"] = slow  # in the --json file only
     if a.json:
