@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -100,7 +102,11 @@ def test_overflow_makes_room_for_the_measured_allocation_rate():
     st = PolicyState(promote_tokens=1e12, demote_tokens=1e12, last_now=99.0, last_total=20 * BS, inflow_bps=2 * BS)
     p, _ = plan(t.snapshot(), tiers(10), c, st, 100.0)
     # about 2 blocks/s of allocations (1.8 after a second without growth),
-    # burst_s 1: two more than the watermark asks
+    # burst_s 1: DRAM to 10 - 1.8 blocks, one more than the watermark asks
+    assert sorted(p.rows.tolist()) == list(range(12))
+    # while allocations outrun the migrator, plus two standard deviations
+    # of the rate (the second without growth gave it one)
+    p, _ = plan(t.snapshot(), tiers(10), c, replace(st, backlog_peak=BS), 100.0)
     assert sorted(p.rows.tolist()) == list(range(13))
 
 
@@ -713,3 +719,12 @@ def test_a_backlog_of_allocations_is_made_room_for_from_finished_blocks_only():
     st0 = PolicyState(promote_tokens=1e12, demote_tokens=1e12, last_now=99.0, last_total=9 * BS)
     p0, _ = plan(t.snapshot(), tiers(10), c, st0, 100.0)
     assert len(p0) == 1 and int(p0.rows[0]) in {0, 1, 3, 4}
+
+
+def test_the_headroom_margin_above_the_mean_only_while_allocations_outrun_the_migrator():
+    # When the migrator keeps up, a block that finds DRAM full is promoted at
+    # the next tick; the 2-sigma margin would only demote idle blocks early.
+    c = cfg()
+    calm = PolicyState(inflow_bps=10 * BS, inflow_var=(4 * BS) ** 2)
+    assert calm.headroom(c) == pytest.approx(10 * BS)
+    assert replace(calm, backlog_peak=BS).headroom(c) == pytest.approx(18 * BS)
