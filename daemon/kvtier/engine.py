@@ -921,6 +921,7 @@ class Engine:
 
     def tick(self) -> None:
         t0 = time.monotonic()
+        c0 = time.thread_time()
         now = self.clock()
         try:
             self._tick(now)
@@ -928,7 +929,7 @@ class Engine:
             self.stats.tick_errors_total += 1
             log.exception("tick failed")
         self.last_tick = now
-        self.stats.observe_tick(time.monotonic() - t0)
+        self.stats.observe_tick(time.monotonic() - t0, time.thread_time() - c0)
         self.stats.dry_run = bool(self.migrator.dry_run)
 
     def _tick(self, now: float) -> None:
@@ -980,6 +981,8 @@ class Engine:
             if log.isEnabledFor(logging.DEBUG):
                 logs.event(log, "job_done", logging.DEBUG, worker=worker.name, blocks=_job_blocks(job),
                            seconds=round(time.monotonic() - t_submit, 4))
+            if f.cancelled():  # the daemon is stopping (executor shut down with the job queued)
+                return
             exc = f.exception()
             if exc is not None:
                 self.stats.tick_errors_total += 1

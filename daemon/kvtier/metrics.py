@@ -144,6 +144,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "kvtier_prefetch_duration_seconds": ("histogram", (), "Time from a prefetch request to the block being in tier 0."),
     "kvtier_release_duration_seconds": ("histogram", (), "Time from a release request to the block being one tier down."),
     "kvtier_tick_duration_seconds": ("histogram", (), "Wall time of one policy tick (snapshot, plan, act)."),
+    "kvtier_tick_cpu_seconds": ("histogram", (), "CPU time of the loop thread in one tick (the wall time less waits for a CPU or the GIL)."),
     "kvtier_tick_last_duration_seconds": ("gauge", (), "Wall time of the last tick."),
     "kvtier_ticks": ("counter", (), "Policy ticks run."),
     "kvtier_tick_errors": ("counter", (), "Ticks that raised an error (the loop continued)."),
@@ -398,6 +399,7 @@ class Collector:
     def _tick_metrics(self) -> Iterator[Metric]:
         s = self.stats
         yield _histogram("kvtier_tick_duration_seconds", s.tick_seconds_hist)
+        yield _histogram("kvtier_tick_cpu_seconds", s.tick_cpu_seconds_hist)
         yield GaugeMetricFamily("kvtier_tick_last_duration_seconds", METRICS["kvtier_tick_last_duration_seconds"][2],
                                 value=s.tick_seconds_last)
         for name, value in (("kvtier_ticks", s.ticks_total), ("kvtier_tick_errors", s.tick_errors_total),

@@ -97,6 +97,9 @@ class DaemonStats:
     tick_seconds_last: float = 0.0
     tick_seconds_max: float = 0.0
     tick_seconds_hist: Histogram = field(default_factory=lambda: Histogram(TICK_BUCKETS))
+    # the loop thread's CPU time in the tick: on a busy host the wall time
+    # above also holds the waits for a CPU (and for the GIL), this does not
+    tick_cpu_seconds_hist: Histogram = field(default_factory=lambda: Histogram(TICK_BUCKETS))
     tick_errors_total: int = 0
     ticks_skipped_busy: int = 0  # act phase skipped: previous migration still running
     pageout_returns_total: int = 0  # blocks paged out that their reader faulted straight back in
@@ -143,8 +146,10 @@ class DaemonStats:
     # (the keys are ops, error codes and tier pairs: a few hundred at most).
     _key_texts: dict = field(default_factory=dict, repr=False, compare=False)
 
-    def observe_tick(self, seconds: float) -> None:
+    def observe_tick(self, seconds: float, cpu_seconds: float | None = None) -> None:
         self.ticks_total += 1
+        if cpu_seconds is not None:
+            self.tick_cpu_seconds_hist.observe(cpu_seconds)
         self.tick_seconds_sum += seconds
         self.tick_seconds_last = seconds
         if seconds > self.tick_seconds_max:

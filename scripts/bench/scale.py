@@ -27,7 +27,14 @@ After --warmup seconds the benchmark samples, over --seconds of steady state:
   daemon's residency_seconds_sum where it reports one, else its whole
   migration-job time, which on an idle host is all measurement) and per pass
   over the whole table (that rate times the time one pass takes);
-* RSS per block: (VmRSS after registration - VmRSS before) / blocks;
+* RSS: the fixed part is the daemon's VmRSS with the workload connected and
+  one block registered, after 3 s (its measuring and collecting workers have
+  run a job: threads, arenas, scratch); per block is (VmRSS at the end -
+  that) / blocks; and between cells of the same regions and rate that differ
+  in size, the growth of that per-block part over the blocks added (what a
+  block costs at the margin);
+* tick CPU p50/p99: the loop thread's CPU time per tick (thread_time), the
+  wall time above less its waits for a CPU or the GIL;
 * metrics scrape: median wall time of 5 GETs of /metrics;
 * hint-to-table throughput (cells with rate 0 only): this process, as root,
   pipelines 65,536-block hint messages into the registered regions until
@@ -152,6 +159,13 @@ def child(a: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     c = Client(a.socket, hint_interval=ROUND_S)
+    # One block first, so the daemon's workers start (they start with their
+    # first job) and the measuring side can take the fixed part of the RSS.
+    probe = mmap.mmap(-1, block, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    probe[0] = 1
+    c.register(probe, block_size=block, name="probe")
+    print(json.dumps({"probe": True}), flush=True)
+    sys.stdin.readline()
     for i in range(a.nregions):
         m = mmap.mmap(-1, per, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
         np.frombuffer(m, dtype=np.uint8)[:: a.touch_every] = 1
@@ -249,12 +263,16 @@ def run_cell(a: argparse.Namespace, total: int, nregions: int, rate: int) -> dic
         sock = os.path.join(wd, "kvtierd.sock")
         w = None
         try:
-            time.sleep(1.0)
-            rss0 = rss_bytes(d.pid)
             w = subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), "--child", "--socket", sock, "--total", str(total),
                  "--nregions", str(nregions), "--block", str(a.block), "--touch-every", str(a.touch_every),
-                 "--rate", str(rate)], stdout=subprocess.PIPE, text=True)
+                 "--rate", str(rate)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            if not json.loads(w.stdout.readline() or "{}").get("probe"):
+                raise SystemExit("workload did not start")
+            time.sleep(3.0)  # a few ticks: the measuring and collecting workers have run a job
+            rss0 = rss_bytes(d.pid)  # the fixed part: threads, arenas, scratch, one block
+            w.stdin.write("go\n")
+            w.stdin.flush()
             ready = json.loads(w.stdout.readline() or "{}")
             if not ready.get("ready"):
                 raise SystemExit("workload did not start")
@@ -269,6 +287,12 @@ def run_cell(a: argparse.Namespace, total: int, nregions: int, rate: int) -> dic
             _, c0 = hist_counts(s0["tick_seconds_hist"])
             dc = [x - y for x, y in zip(c1, c0)]
             q = lambda p: histogram_quantile(p, bounds, dc)  # noqa: E731
+            qc = lambda p: None  # noqa: E731
+            if "tick_cpu_seconds_hist" in s1:  # the loop thread's CPU in the tick (not in older daemons)
+                _, cc1 = hist_counts(s1["tick_cpu_seconds_hist"])
+                _, cc0 = hist_counts(s0["tick_cpu_seconds_hist"])
+                dcc = [x - y for x, y in zip(cc1, cc0)]
+                qc = lambda p: histogram_quantile(p, bounds, dcc)  # noqa: E731
             kd = sum(kd1[p] - kd0.get(p, kd1[p]) for p in kd1 if p not in others)
             if "residency_seconds_sum" in s1:
                 meas = s1["residency_seconds_sum"] - s0["residency_seconds_sum"]
@@ -285,10 +309,12 @@ def run_cell(a: argparse.Namespace, total: int, nregions: int, rate: int) -> dic
                 "total": total, "regions": nregions, "rate": rate, "blocks": blocks, "seconds": wall,
                 "daemon_cpu_pct": 100 * (cpu1 - cpu0) / wall, "kdamond_cpu_pct": 100 * kd / wall,
                 "ticks": sum(dc), "tick_p50_ms": (q(0.5) or 0) * 1000, "tick_p99_ms": (q(0.99) or 0) * 1000,
+                "tick_cpu_p50_ms": (qc(0.5) or 0) * 1000, "tick_cpu_p99_ms": (qc(0.99) or 0) * 1000,
+                "load_average": os.getloadavg()[0],
                 "ticks_skipped_busy": s1["ticks_skipped_busy"] - s0["ticks_skipped_busy"],
                 "measure_s_per_s": meas / wall, "measure_kind": meas_kind,
                 "measure_s_per_pass": (meas / wall) * pass_s if pass_s else None, "pass_s": pass_s,
-                "rss_bytes": rss1, "rss_per_block": (rss1 - rss0) / blocks,
+                "rss_bytes": rss1, "rss_fixed_bytes": rss0, "rss_per_block": (rss1 - rss0) / blocks,
                 "hints_applied": s1["block_hints_total"] - s0["block_hints_total"],
             }
             res["scrape_ms"], res["scrape_bytes"] = scrape_ms(port)
@@ -309,6 +335,26 @@ def run_cell(a: argparse.Namespace, total: int, nregions: int, rate: int) -> dic
             except subprocess.TimeoutExpired:
                 d.kill()
         return res
+
+
+def rss_slopes(results: list[dict]) -> list[dict]:
+    """The daemon's RSS growth per block between consecutive sizes of cells
+    with the same regions and rate: what one more block costs, without the
+    fixed part (and without the part of it a small cell's blocks share)."""
+    out = []
+    groups: dict[tuple[int, int], list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["regions"], r["rate"]), []).append(r)
+    for (nregions, rate), rs in sorted(groups.items()):
+        rs = sorted(rs, key=lambda r: r["blocks"])
+        for lo, hi in zip(rs, rs[1:]):
+            db = hi["blocks"] - lo["blocks"]
+            if db <= 0:
+                continue
+            grown = (hi["rss_bytes"] - hi["rss_fixed_bytes"]) - (lo["rss_bytes"] - lo["rss_fixed_bytes"])
+            out.append({"regions": nregions, "rate": rate, "from": lo["total"], "to": hi["total"], "blocks": db,
+                        "bytes": grown, "per_block": grown / db})
+    return out
 
 
 def main() -> int:
@@ -342,9 +388,10 @@ def main() -> int:
     print(f"# {machine()}; load average {os.getloadavg()[0]:.2f}; daemon from "
           f"{a.daemon_path or 'this tree'}; {a.warmup:g} s warm-up, {a.seconds:g} s measured per cell; "
           f"block {fmt_size(a.block)}, one page touched per {fmt_size(a.touch_every)}")
-    print("| registered | regions | blocks | hinted/s | daemon CPU % | kdamond % | tick p50 ms | tick p99 ms "
-          "| skipped | measure s/s | measure s/pass | RSS B/block | scrape ms | ingest M/s (wall, per CPU-s) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("| registered | regions | blocks | hinted/s | load | daemon CPU % | kdamond % | tick p50 / p99 ms "
+          "| tick CPU p50 / p99 ms | skipped | measure s/s | measure s/pass | fixed RSS MiB | RSS B/block "
+          "| scrape ms | ingest M/s (wall, per CPU-s) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     results = []
     for total, nregions, rate in cells:
         r = run_cell(a, total, nregions, rate)
@@ -352,13 +399,23 @@ def main() -> int:
         ing = r.get("ingest")
         ing_s = f"{ing['per_wall_s'] / 1e6:.1f}, {(ing['per_cpu_s'] or 0) / 1e6:.1f}" if ing else ""
         mp = r["measure_s_per_pass"]
-        print(f"| {fmt_size(total)} | {nregions} | {r['blocks']} | {rate} | {r['daemon_cpu_pct']:.1f} | "
-              f"{r['kdamond_cpu_pct']:.1f} | {r['tick_p50_ms']:.1f} | {r['tick_p99_ms']:.1f} | "
+        print(f"| {fmt_size(total)} | {nregions} | {r['blocks']} | {rate} | {r['load_average']:.1f} | "
+              f"{r['daemon_cpu_pct']:.1f} | {r['kdamond_cpu_pct']:.1f} | "
+              f"{r['tick_p50_ms']:.1f} / {r['tick_p99_ms']:.1f} | {r['tick_cpu_p50_ms']:.1f} / {r['tick_cpu_p99_ms']:.1f} | "
               f"{r['ticks_skipped_busy']} | {r['measure_s_per_s']:.3f} | {'' if mp is None else f'{mp:.2f}'} | "
-              f"{r['rss_per_block']:.0f} | {r['scrape_ms']:.1f} | {ing_s} |", flush=True)
+              f"{r['rss_fixed_bytes'] / (1 << 20):.1f} | {r['rss_per_block']:.0f} | {r['scrape_ms']:.1f} | {ing_s} |",
+              flush=True)
+    slopes = rss_slopes(results)
+    if slopes:
+        print("\nRSS per block between sizes (same regions and rate): the marginal cost of a block")
+        print("| regions | hinted/s | from | to | blocks added | RSS added MiB | bytes per block |")
+        print("|---:|---:|---|---|---:|---:|---:|")
+        for x in slopes:
+            print(f"| {x['regions']} | {x['rate']} | {fmt_size(x['from'])} | {fmt_size(x['to'])} | {x['blocks']} | "
+                  f"{x['bytes'] / (1 << 20):.1f} | {x['per_block']:.0f} |")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"machine": machine(), "argv": sys.argv, "results": results}, f, indent=2)
+            json.dump({"machine": machine(), "argv": sys.argv, "results": results, "rss_slopes": slopes}, f, indent=2)
     return 0
 
 

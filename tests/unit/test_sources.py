@@ -290,3 +290,61 @@ def test_access_bits_stand_down_where_damon_runs():
     table = sources.probe_all([d, a])
     assert table["damon"].ok and not table["access_bits"].ok and not a.probed
     assert "DAMON vaddr runs" in table["access_bits"].reason
+
+
+def _per_block_index(t, rows):
+    """What BlockIndex answers, from per-block arrays (how it was once stored)."""
+    pid, addr = t.pid[rows], t.addr[rows]
+    order = np.lexsort((addr, pid))
+    r = rows[order]
+    return r, t.pid[r].astype(np.int64), t.addr[r], t.addr[r] + t.nbytes[r]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_index_by_runs_answers_as_a_per_block_index(seed):
+    # Random regions of three pids (short last blocks, regions back to back),
+    # indexed whole and by a random subset of rows (DAMON's), against the
+    # same questions asked of a sorted per-block array.
+    rng = np.random.default_rng(seed)
+    regions, nxt = [], {10: 0x10000, 20: 0x10000, 30: 0x7000_0000}
+    for rid in rng.permutation(12) + 1:
+        pid = int(rng.choice([10, 20, 30]))
+        bs = int(rng.choice([P, 2 * P, 3000]))
+        length = int(rng.integers(1, 9)) * bs - int(rng.choice([0, 0, 100]))
+        start = nxt[pid] + int(rng.choice([0, 0, 5 * P]))
+        nxt[pid] = start + length
+        regions.append((int(rid), pid, start, length, bs))
+    t = table_of(*regions)
+    for rows in (None, np.flatnonzero(rng.random(len(t)) < 0.6)):
+        idx = BlockIndex(t, rows)
+        r, pid, s, e = _per_block_index(t, np.arange(len(t)) if rows is None else rows)
+        assert len(idx) == r.size
+        assert idx.pids == sorted(set(pid.tolist()))
+        for p in (10, 20, 30, 99):
+            got = idx.blocks(p)
+            m = pid == p
+            for a, b in zip(got, (r[m], s[m], e[m])):
+                assert a.tolist() == b.tolist()
+            probe = np.concatenate([s[m], e[m] - 1, e[m], s[m] - 1, rng.integers(0, 1 << 31, 50).astype(np.uint64)])
+            k = np.searchsorted(s[m], probe, side="right") - 1
+            want = np.where((k >= 0) & (probe < e[m][np.clip(k, 0, None)] if m.any() else False),
+                            r[m][np.clip(k, 0, None)] if m.any() else -1, -1)
+            assert idx.lookup(p, probe).tolist() == want.tolist()
+            a = np.uint64(P)  # ranges: blocks widened to pages, then merged where they touch
+            bs, be = (s[m] // a) * a, ((e[m] + a - np.uint64(1)) // a) * a
+            merged = []
+            for x, y in zip(bs.tolist(), be.tolist()):
+                if merged and x <= merged[-1][1]:
+                    merged[-1][1] = max(merged[-1][1], y)
+                else:
+                    merged.append([x, y])
+            assert idx.ranges(p, P).tolist() == merged
+        some = rng.choice(len(t), 10)
+        pos = {int(x): i for i, x in enumerate(r)}
+        want = set()
+        for x in some.tolist():
+            if x in pos:
+                for i in range(pos[x] + 1, min(pos[x] + 4, r.size)):
+                    if t.region[r[i]] == t.region[x]:
+                        want.add(int(r[i]))
+        assert idx.neighbours(some, 3).tolist() == sorted(want - set(some.tolist()))
