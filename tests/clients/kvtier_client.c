@@ -37,6 +37,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
@@ -454,6 +455,9 @@ static int conn_open(conn_t *c, const char *path)
     strcpy(a.sun_path, path);
     if (connect(c->fd, (struct sockaddr *)&a, sizeof a) < 0)
         die("connect %s: %s", path, strerror(errno));
+    /* an answer that never comes is a failure, not a hang */
+    struct timeval tv = {.tv_sec = 30};
+    setsockopt(c->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
     return 0;
 }
 
@@ -643,6 +647,79 @@ static const node *migrate_wait(conn_t *c, buf_t *b, uint64_t region, uint32_t b
     CHECK(uget(r, "blocks", 0) == 1, "migrate: blocks %llu, expected 1", (unsigned long long)uget(r, "blocks", 0));
     CHECK(uget(r, "region", 0) == region && uget(r, "tier", 99) == tier, "migrate: region/tier not echoed");
     return r;
+}
+
+/* register_engine 4 blocks (tiers 0, 0, 0, -1); migrate block 1 to `dst`;
+ * the `move` event names it; move_done; query shows it in `dst`. */
+static void engine_moves(conn_t *c, buf_t *b, uint64_t dst)
+{
+    int8_t tiers[4] = {0, 0, 0, -1};
+    uint64_t id = req(b, "register_engine", 4);
+    mp_str(b, "blocks"); mp_uint(b, 4);
+    mp_str(b, "block_size"); mp_uint(b, 65536);
+    mp_str(b, "tiers"); mp_bin(b, tiers, 4);
+    mp_str(b, "name"); mp_str(b, "c-engine");
+    send_frame(c, b);
+    const node *r = expect_ok(c, id, "register_engine");
+    uint64_t region = uget(r, "region", 0);
+    CHECK(region >= 1 && uget(r, "blocks", 0) == 4 && uget(r, "block_size", 0) == 65536, "register_engine: answer");
+
+    uint32_t blk = 1;
+    id = req(b, "migrate", 3);
+    mp_str(b, "region"); mp_uint(b, region);
+    mp_str(b, "tier"); mp_uint(b, dst);
+    mp_str(b, "blocks"); mp_u32s(b, &blk, 1);
+    send_frame(c, b);
+    r = expect_ok(c, id, "migrate engine block");
+    CHECK(uget(r, "queued", 0) == 1, "migrate engine block: queued %llu", (unsigned long long)uget(r, "queued", 0));
+
+    /* the event: id 0, ok true, event "move", body in result */
+    if (!recv_frame(c))
+        die("connection closed waiting for the move event");
+    const node *m = &c->root;
+    CHECK(str_eq(get(m, "event"), "move"), "expected a move event");
+    CHECK(uget(m, "id", 99) == 0, "event id is not 0");
+    const node *okn = get(m, "ok");
+    CHECK(okn && okn->type == T_BOOL && okn->b, "event ok is not true");
+    const node *ev = get(m, "result");
+    if (!ev || ev->type != T_MAP)
+        die("move event without a result map");
+    const node *eb = get(ev, "blocks");
+    uint64_t move = uget(ev, "move", 0);
+    CHECK(move >= 1, "move event: no move id");
+    CHECK(uget(ev, "region", 0) == region, "move event: region");
+    CHECK(eb && eb->type == T_BIN && eb->s.n == 4 && le32(eb->s.p) == 1, "move event: blocks is not [1]");
+    CHECK(uget(ev, "src", 99) == 0 && uget(ev, "dst", 99) == dst, "move event: src %llu dst %llu",
+          (unsigned long long)uget(ev, "src", 99), (unsigned long long)uget(ev, "dst", 99));
+    printf("move event %llu: region %llu block 1 tier 0 -> %llu\n", (unsigned long long)move,
+           (unsigned long long)region, (unsigned long long)dst);
+
+    /* the engine "copies" the block, then says so */
+    uint8_t moved = 1;
+    id = req(b, "move_done", 2);
+    mp_str(b, "move"); mp_uint(b, move);
+    mp_str(b, "ok"); mp_bin(b, &moved, 1);
+    send_frame(c, b);
+    r = expect_ok(c, id, "move_done");
+    CHECK(uget(r, "moved", 0) == 1 && uget(r, "failed", 99) == 0, "move_done: moved %llu failed %llu",
+          (unsigned long long)uget(r, "moved", 0), (unsigned long long)uget(r, "failed", 99));
+    /* a second answer for the same move: invalid_argument */
+    id = req(b, "move_done", 2);
+    mp_str(b, "move"); mp_uint(b, move);
+    mp_str(b, "ok"); mp_bin(b, &moved, 1);
+    send_frame(c, b);
+    expect_err(c, id, "invalid_argument", "move_done-twice");
+
+    id = req(b, "query", 1);
+    mp_str(b, "region"); mp_uint(b, region);
+    send_frame(c, b);
+    r = expect_ok(c, id, "query engine region");
+    const node *t = get(r, "tiers");
+    CHECK(t && t->type == T_BIN && t->s.n == 4 && (int8_t)t->s.p[0] == 0 && (int8_t)t->s.p[1] == (int8_t)dst &&
+              (int8_t)t->s.p[3] == -1,
+          "query engine region: tiers not 0, dst, 0, -1");
+    call_region(c, b, "unregister", region);
+    printf("engine region %llu: block 1 moved by its owner\n", (unsigned long long)region);
 }
 
 /* A connection gets `payload` as one frame (or a bare header announcing
@@ -987,6 +1064,11 @@ int main(int argc, char **argv)
         send_frame(&c, &b);
         expect_err(&c, id, "invalid_argument", "migrate-unknown-tier");
     }
+
+    /* ---- an engine-mode region: the daemon asks this connection to move
+     * blocks (a `move` event), the client answers `move_done` */
+    if (swap_tier >= 0)
+        engine_moves(&c, &b, (uint64_t)swap_tier);
 
     /* ---- regions, one per page (limit 1), following next */
     {
