@@ -110,11 +110,17 @@ class SchedSampler:
         return (a[j, 1] - a[i, 1]) / 1e6, (a[j, 2] - a[i, 2]) / 1e6
 
 
+# Loop callbacks that are other connections' work: their reads (and the
+# turns run in them), the run queue's turns (the good client never has a
+# backlog), registrations written in steps, and accepting connections.
+OTHERS = ("other conns", "turns (run queue)", "Stager._step", "BaseSelectorEventLoop._accept_connection")
+
+
 def _category(key: str, conn: int, good: set[int]) -> str:
     if "uid=" in key:
         return "good conn" if conn in good else "other conns"
     if key.startswith("Server._run_one"):
-        return "turns (run queue)"  # split by connection below, from the turns list
+        return "turns (run queue)"
     return key.split(" ")[0]
 
 
@@ -142,6 +148,7 @@ def attribute(trace: list[tuple[float, float]], prof: dict, sched: SchedSampler 
         # what the loop did in [t0, h0]
         spent: dict[str, float] = {}
         run = wait = 0.0
+        others = others_run = 0.0
         i = max(0, bisect.bisect_right(tl_t0, t0) - 1)
         busy = 0.0
         while i < len(tl) and tl[i][0] < h0:
@@ -154,6 +161,9 @@ def attribute(trace: list[tuple[float, float]], prof: dict, sched: SchedSampler 
                 busy += ov
                 run += r_ns * frac / 1e6
                 wait += q_ns * frac / 1e6
+                if cat in OTHERS:
+                    others += ov * 1e3
+                    others_run += r_ns * frac / 1e6
             i += 1
         # turns of other connections (queued or in their reads) in [t0, h0]
         other_turns = 0.0
@@ -168,6 +178,9 @@ def attribute(trace: list[tuple[float, float]], prof: dict, sched: SchedSampler 
                "after_ms": (t1 - h1) * 1e3, "before_handler": {
                    "loop_idle_ms": (h0 - t0 - busy) * 1e3, "callbacks_ms": spent,
                    "other_conn_turns_ms": other_turns,
+                   # the loop ran other connections' callbacks (of which on a CPU):
+                   # what "caused by another connection" is
+                   "other_conns_ms": others, "other_conns_run_ms": others_run,
                    "loop_run_ms": run, "loop_cpu_wait_ms": wait,
                    "loop_asleep_in_callback_ms": busy * 1e3 - run - wait}}
         if sched is not None:
@@ -181,15 +194,52 @@ def attribute(trace: list[tuple[float, float]], prof: dict, sched: SchedSampler 
     if not rows:
         return {}
     ms = np.array([r["ms"] for r in rows])
-    caused = np.array([r["before_handler"]["other_conn_turns_ms"] for r in rows])
+    caused = np.array([r["before_handler"]["other_conns_ms"] for r in rows])
+    caused_run = np.array([r["before_handler"]["other_conns_run_ms"] for r in rows])
+    host = np.array([r["before_handler"]["loop_idle_ms"] for r in rows])
     worst = sorted(rows, key=lambda r: -r["ms"])[:top]
+    # the loop's longest callbacks in the phase, by kind: (wall, of which on a CPU)
+    lo, hi = trace[0][0], trace[-1][0] + trace[-1][1]
+    longest: dict[str, list[float]] = {}
+    for c0, w, r_ns, q_ns, key, conn in tl[bisect.bisect_left(tl_t0, lo):bisect.bisect_right(tl_t0, hi)]:
+        cat = _category(key, conn, good)
+        cat = "other conns" if cat in OTHERS else cat
+        if w * 1e3 > longest.get(cat, [0.0])[0]:
+            longest[cat] = [round(w * 1e3, 2), round(r_ns / 1e6, 2)]
+    # What the slowest 1 % waited on, in total: the loop running other
+    # connections' work, the loop running anything else (the engine's tick,
+    # timers), the loop not running (idle in epoll until woken and given a
+    # CPU), the handler, and after the answer was written (the good client
+    # waiting for a CPU to read it).
+    tail = [r for r in rows if r["ms"] >= np.percentile(ms, 99)]
+    tail_ms = {"requests": len(tail), "total": sum(r["ms"] for r in tail)}
+    for r in tail:
+        b = r["before_handler"]
+        parts = {"other_conns": b["other_conns_ms"],
+                 "loop_other_work": sum(b["callbacks_ms"].values()) - b["other_conns_ms"]
+                 - b["callbacks_ms"].get("good conn", 0.0),
+                 "loop_not_running": b["loop_idle_ms"], "handler": r["handler_ms"], "after_answer": r["after_ms"]}
+        for k, v in parts.items():
+            tail_ms[k] = tail_ms.get(k, 0.0) + v
+    tail_ms = {k: round(v, 1) for k, v in tail_ms.items()}
     return {
         "requests": len(rows),
+        "p99_tail_ms": tail_ms,
+        "longest_callback_ms": dict(sorted(longest.items(), key=lambda kv: -kv[1][0])[:6]),
         "p99_ms": float(np.percentile(ms, 99)),
-        # what the p99 would be had no request waited behind another connection's turn
-        "p99_without_other_turns_ms": float(np.percentile(ms - caused, 99)),
-        "max_other_conn_turns_ms": float(caused.max()),
-        "over_1ms_other_conn_turns": int((caused > 1).sum()),
+        # what the p99 would be had no request waited behind another connection's work
+        "p99_without_other_conns_ms": float(np.percentile(ms - caused, 99)),
+        "max_other_conns_ms": float(caused.max()),
+        "max_other_conns_run_ms": float(caused_run.max()),
+        "over_1ms_other_conns": int((caused > 1).sum()),
+        "over_100ms_other_conns": int((caused > 100).sum()),
+        # requests over 100 ms and what they waited on: other connections'
+        # work, or a loop with nothing to run (idle in epoll, or woken and
+        # waiting for a CPU: the host's load, not the daemon's)
+        "over_100ms": [{"ms": round(float(r["ms"]), 1), "other_conns_ms": round(float(c), 1),
+                        "loop_idle_or_cpu_wait_ms": round(float(h), 1),
+                        "good_client_cpu_wait_ms": r.get("cpu_run_wait_ms", {}).get("good", [0, 0])[1]}
+                       for r, c, h in zip(rows, caused, host) if r["ms"] > 100],
         "sum_ms": {k: float(sum(r[k] for r in rows)) for k in
                    ("until_read_ms", "read_to_handler_ms", "handler_ms", "after_ms")},
         "worst": worst,
