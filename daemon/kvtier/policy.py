@@ -291,30 +291,50 @@ class PolicyState:
     # recursion), and its recent peak (decays over BACKLOG_TAU_S).
     backlog: float = 0.0
     backlog_peak: float = 0.0
+    total_at: float | None = None  # when last_total was counted (refills between plans count none)
 
-    def refill(self, cfg: PolicyConfig, now: float, max_block: float, total: float = 0.0) -> "PolicyState":
+    def refill(self, cfg: PolicyConfig, now: float, max_block: float, total: float | None = None) -> "PolicyState":
+        """Tokens for the time since the last refill; with ``total`` (bytes
+        in the measured tiers, what the plan counts) also the allocation
+        rate and backlog since the last counted total. A refill between
+        plans (the engine's scheduled moves) passes no total: taken as 0,
+        it made every prefetch look like a whole table of new allocations
+        (a 256 MiB backlog that kept promotions out of DRAM for minutes)."""
         if self.last_now is None or self.promote_tokens is None or self.demote_tokens is None:
             bp, bd = _bursts(cfg, max_block)
-            return PolicyState(bp, bd, now, total, 0.0)
+            return PolicyState(bp, bd, now, total, 0.0, total_at=None if total is None else now)
         dt = max(0.0, now - self.last_now)
         inflow, var = self.inflow_bps, self.inflow_var
         backlog, peak = self.backlog, self.backlog_peak
-        if dt > 0 and self.last_total is not None:
-            grown = max(0.0, total - self.last_total)
-            seen = grown / dt
-            a = 1.0 - math.exp(-dt / INFLOW_TAU_S)
-            d0 = seen - inflow
-            inflow += a * d0
-            var = (1.0 - a) * (var + a * d0 * d0)
-            backlog = max(0.0, backlog + grown - cfg.demote_mbps * MIB * dt)
-            peak = max(backlog, peak * math.exp(-dt / BACKLOG_TAU_S))
-            if peak < MIB:  # forgotten
-                peak = 0.0
+        last_total, total_at = self.last_total, self.total_at
+        if total is not None and last_total is None:
+            last_total, total_at = total, now  # the first count: a rate from the next one on
+        elif total is not None:
+            # seconds since that count (older state files have none: since the last refill)
+            dtt = max(0.0, now - (total_at if total_at is not None else self.last_now))
+            if dtt > 0:
+                grown = max(0.0, total - last_total)
+                inflow, var, backlog, peak = self._inflow(cfg, grown, dtt)
+                last_total, total_at = total, now
         bp, bd = _bursts(cfg, max_block, inflow)
         p = min(bp, self.promote_tokens + _promote_rate(cfg, inflow) * dt)
         d = min(bd, self.demote_tokens + _demote_rate(cfg, inflow) * dt)
-        return PolicyState(p, d, max(now, self.last_now), total if dt > 0 else self.last_total, inflow, var,
-                           backlog, peak)
+        return PolicyState(p, d, max(now, self.last_now), last_total, inflow, var, backlog, peak, total_at)
+
+    def _inflow(self, cfg: PolicyConfig, grown: float, dt: float) -> tuple[float, float, float, float]:
+        """The allocation rate's average and variance, the backlog and its
+        peak after ``grown`` new bytes in ``dt`` seconds."""
+        inflow, var = self.inflow_bps, self.inflow_var
+        seen = grown / dt
+        a = 1.0 - math.exp(-dt / INFLOW_TAU_S)
+        d0 = seen - inflow
+        inflow += a * d0
+        var = (1.0 - a) * (var + a * d0 * d0)
+        backlog = max(0.0, self.backlog + grown - cfg.demote_mbps * MIB * dt)
+        peak = max(backlog, self.backlog_peak * math.exp(-dt / BACKLOG_TAU_S))
+        if peak < MIB:  # forgotten
+            peak = 0.0
+        return inflow, var, backlog, peak
 
     def headroom(self, cfg: "PolicyConfig") -> float:
         """Bytes of room the fastest tier needs for the next ``burst_s`` of

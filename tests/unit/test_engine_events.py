@@ -10,6 +10,8 @@ import asyncio
 import numpy as np
 import pytest
 
+from kvtier import policy as pol
+
 from test_engine import BLOCK, DRAM, PPB, SWAP, SWAP_TIER, Rig, cfg
 
 
@@ -102,3 +104,41 @@ def test_room_counts_what_is_already_on_its_way(wired):
     idle(r, 0.3)
     assert r.stats.hot_promotions_total == 3
     assert sorted(np.flatnonzero(np.array(r.tiers()) == DRAM).tolist()) == [0, 1, 2, 3, 10, 11, 12]
+
+
+def test_hints_of_blocks_already_in_dram_do_not_replan(wired, monkeypatch):
+    """A hint of a DRAM resident makes it hotter, which moves nothing: the
+    tick does not plan again for it (a plan per tick under a steady stream
+    of hints was most of the daemon's tick in the guest); a hint of a block
+    in a lower tier does."""
+    from kvtier import engine as engine_mod
+
+    r = wired(16, cold_demote=False, low_wm=0.98)  # DRAM full: no promotion between ticks
+    place(r, 7)
+    r.tick(12, dt=1.0)  # past IDLE_REPLAN_S: the replans after placing are done
+    plans = []
+    real = engine_mod.pol.plan
+    monkeypatch.setattr(engine_mod.pol, "plan", lambda *a, **k: plans.append(1) or real(*a, **k))
+    for _ in range(3):
+        r.hint([0, 1, 2, 3], count=1)
+        r.tick(dt=1.0)
+    assert plans == []
+    r.hint([9], count=1)
+    r.tick(dt=1.0)
+    assert plans == [1]
+
+
+def test_a_refill_between_plans_counts_no_allocations():
+    """The engine refills the token buckets for its scheduled moves between
+    plans, without counting the tiers: that must not read as the table
+    vanishing and coming back (a 256 MiB 'backlog' of allocations kept
+    every later promotion out of DRAM in the guest comparison's phase 2)."""
+    c = pol.PolicyConfig()
+    mb = float(BLOCK)
+    total = 256.0 * (1 << 20)
+    s = pol.PolicyState().refill(c, 100.0, mb, total)
+    s = s.refill(c, 100.02, mb)  # a prefetch between plans
+    s = s.refill(c, 100.05, mb, total)  # the next plan: nothing was allocated
+    assert s.backlog_peak == 0.0 and s.inflow_bps == 0.0
+    s = s.refill(c, 101.05, mb, total + 64 * mb)  # 128 MiB of new blocks in a second are counted
+    assert s.inflow_bps > 0
