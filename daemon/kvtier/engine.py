@@ -42,6 +42,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
+# np.unique imports numpy.ma on its first call (numpy 2): import it with the
+# daemon, not in the first residency measurement after a registration (4.5 s
+# there in the TCG guest, whose root is a 9p mount; vm_tiering_compare.py --py-spy).
+import numpy.ma  # noqa: F401
 
 from kvtier import logs
 from kvtier import policy as pol
@@ -368,6 +372,10 @@ class Engine:
         self._hot_rows: list[np.ndarray] = []
         self._hot_gen = -1
         self._hot_queued = False
+        # DRAM had no room for them at the last look: no look again until a
+        # move or a measurement changes what DRAM holds (hints come every
+        # few ms; the room does not change between them)
+        self._dram_full = False
         if recorder is not None:
             recorder.config(self.tier_states(), self.policy_cfg)  # a recording starts with what is in force
 
@@ -797,7 +805,7 @@ class Engine:
         DRAM's use is summed only when some row qualifies."""
         self._hot_queued = False
         rows, self._hot_rows = self._hot_rows, []
-        if not rows or self._hot_gen != self.registry.generation:
+        if not rows or self._hot_gen != self.registry.generation or self._dram_full:
             return
         t, cfg = self.table, self.policy_cfg
         tiers = self.topology.tiers
@@ -832,6 +840,7 @@ class Engine:
         fits = np.cumsum(t.nbytes[rows].astype(np.float64)) <= room
         rows = rows[fits]
         if rows.size == 0:
+            self._dram_full = True
             return
         self.stats.hot_promotions_total += int(rows.size)
         self.scheduled.append((t.region[rows].astype(np.int64), t.index[rows].astype(np.int64),
@@ -938,6 +947,7 @@ class Engine:
         if self._pending_sources is not None and not self.collector.busy:
             self._apply_sources()
         self.temperature.decay(self.table, now)
+        self._dram_full = False  # decay and free memory change the room
         self.registry.check_alive()
         try:
             self.topology.refresh_free()
@@ -998,7 +1008,7 @@ class Engine:
 
     def _build_move(self, now: float) -> MoveJob | None:
         t = self.table
-        hints = self.stats.block_hints_total
+        hints = self.registry.hints_off_top  # hints of DRAM blocks change no plan
         gen = self.registry.generation
         if not (self._dirty or self.manual or hints != self._plan_hints or gen != self._plan_gen
                 or now - self._last_plan >= IDLE_REPLAN_S):
@@ -1192,6 +1202,7 @@ class Engine:
             job.measured_tier[sel] = _dominant_tier(r, lut, ntiers, None if swap is None else swap.index)[0]
 
     def _finish_move(self, job: MoveJob) -> None:
+        self._dram_full = False
         st = self.stats
         st.observe_migration(job.seconds)
         t = self.table
@@ -1489,6 +1500,7 @@ class Engine:
         job.seconds = time.monotonic() - t0
 
     def _finish_measure(self, job: MeasureJob) -> None:
+        self._dram_full = False
         st = self.stats
         st.residency_scans_total += 1
         st.residency_seconds_sum += job.seconds

@@ -174,6 +174,10 @@ class Registry:
         # The engine's between-tick hooks (daemon.build wires them): a region
         # added (its blocks get a first look), hints folded in (rows, and
         # whether some are not known present).
+        # Hints of blocks not in the fastest tier (or not known anywhere):
+        # what can make the next plan differ. A hint of a block already in
+        # DRAM only makes a resident hotter, which moves nothing.
+        self.hints_off_top = 0
         self.on_added: Callable[[int], None] = lambda region_id: None
         self.on_hinted: Callable[[np.ndarray, bool], None] = lambda rows, unsure: None
         self.clock = clock
@@ -464,13 +468,14 @@ class Registry:
         unsure = rows[((t.flags[rows] & np.uint8(F_NOT_PRESENT)) != 0) | (t.tier[rows] < 0)]
         t.flags[unsure] |= np.uint8(F_STALE)
         n = int(blocks.size)
-        logs.event(log, "hinted", logging.DEBUG, region=region_id, blocks=n, unplaced=int(unsure.size))
         if self.recorder is not None:
             self.recorder.hint(region_id, blocks, counts)
         self.regions[region_id].block_hints += n
         self.stats.block_hints_total += n
         # Where the hinted blocks were when read: one bincount per message.
-        hits = np.bincount(self.table.tier[rows].astype(np.int64) + 2,
+        tier = self.table.tier[rows]
+        self.hints_off_top += int(rows.size - np.count_nonzero(tier == 0))
+        hits = np.bincount(tier.astype(np.int64) + 2,
                            weights=None if counts is None else counts.astype(np.float64))
         for i in np.flatnonzero(hits):
             self.stats.hint_tier_blocks[int(i) - 2] += int(hits[i])
