@@ -24,6 +24,7 @@ from collections import deque
 from typing import Callable
 
 from kvtier.errors import FeatureUnavailable, KvtierOSError, os_error
+from kvtier.kernel.sysfs import read_bytes
 
 # Backoff for EBUSY: 5 ms doubling to 320 ms, at most 10 tries (~1.3 s in all).
 # A kdamond that stays busy longer than that is stuck; the caller gets the
@@ -120,8 +121,7 @@ class SysfsIO:
         raise AssertionError("unreachable")
 
     def _raw_read(self, path: str) -> str:
-        with open(path) as f:
-            return f.read()
+        return read_bytes(path).decode()
 
     def read_int(self, rel: str) -> int:
         return int(self.read(rel))
