@@ -237,7 +237,8 @@ class Region:
         # Bytes are not tracked by the garbage collector.
         self._parts: list[bytes] = []
         self._cparts: list[bytes | None] | None = None  # None: one access each
-        self._pending = 0
+        self._pending_b = 0  # bytes of block ids in _parts (4 per hint)
+        self._batch_b = 4 * client.hint_batch  # _pending_b that sends at once (re-read in _check)
         self._first_pending = 0.0
         # The clock is read every ``_stride`` calls, not every call: in a VM
         # whose clocksource is not the TSC (HPET under QEMU TCG), a
@@ -279,37 +280,56 @@ class Region:
         pending or the oldest is ``hint_interval`` seconds old. The blocks are
         copied at once (the caller may reuse its array); a 1-D array of
         ``protocol.BLOCKS_DTYPE`` (uint32) is the cheapest to pass."""
-        if counts is None and self._cparts is None and type(blocks) is np.ndarray \
-                and blocks.dtype is _BLOCKS_DTYPE and blocks.ndim == 1:
-            k = blocks.shape[0]
-            if not k:
-                return
-            self._parts.append(blocks.tobytes())
-        else:
-            b = np.asarray(blocks, dtype=_BLOCKS_DTYPE).ravel()
-            k = b.size
-            if not k:
-                return
-            if counts is not None:
-                c = np.asarray(counts, dtype=protocol.COUNTS_DTYPE).ravel()
-                if c.size != k:
-                    raise ValueError(f"{c.size} counts for {k} blocks")
-                if self._cparts is None:
-                    self._cparts = [None] * len(self._parts)
-                self._cparts.append(c.tobytes())
-            elif self._cparts is not None:
-                self._cparts.append(None)
-            self._parts.append(b.tobytes())
-        n = self._pending
-        self._pending = n + k
+        if counts is None and type(blocks) is np.ndarray and blocks.dtype is _BLOCKS_DTYPE \
+                and self._cparts is None:
+            # The engine's own call, between decode steps: a copy (C order,
+            # any shape: what ravel() gives), its length, one countdown.
+            # Everything else (the batch's size and age, the clock) is
+            # looked at every _stride calls, in _check.
+            b = blocks.tobytes()
+            self._parts.append(b)
+            self._pending_b += len(b)
+            self._until_clock -= 1
+            if self._until_clock <= 0 or self._pending_b >= self._batch_b:
+                self._check(len(b))
+            return
+        self._hint_any(blocks, counts)
+
+    def _hint_any(self, blocks: Any, counts: Any) -> None:
+        """``hint`` for ids of any type and for counts."""
+        b = np.asarray(blocks, dtype=_BLOCKS_DTYPE).ravel()
+        k = b.size
+        if not k:
+            return
+        if counts is not None:
+            c = np.asarray(counts, dtype=protocol.COUNTS_DTYPE).ravel()
+            if c.size != k:
+                raise ValueError(f"{c.size} counts for {k} blocks")
+            if self._cparts is None:
+                self._cparts = [None] * len(self._parts)
+            self._cparts.append(c.tobytes())
+        elif self._cparts is not None:
+            self._cparts.append(None)
+        self._parts.append(b.tobytes())
+        self._pending_b += 4 * k
+        self._until_clock -= 1
+        if self._until_clock <= 0 or self._pending_b >= self._batch_b:
+            self._check(4 * k)
+
+    @property
+    def _pending(self) -> int:
+        """Block hints waiting to be sent."""
+        return self._pending_b >> 2
+
+    def _check(self, last: int) -> None:
+        """Every _stride calls, and when the batch is full: send a full
+        batch, or read the clock (``last``: bytes the call just added)."""
         cl = self.client
-        if n + k >= cl.hint_batch:
+        self._batch_b = 4 * cl.hint_batch
+        if self._pending_b >= self._batch_b:
             self.flush()
             return
-        if n and self._until_clock > 1:
-            self._until_clock -= 1
-            return
-        self._clock(n, cl.hint_interval)
+        self._clock(self._pending_b - last, cl.hint_interval)
 
     def _clock(self, n: int, interval: float) -> None:
         """The clock read of ``hint``: start the batch's age, adapt the stride,
@@ -329,7 +349,8 @@ class Region:
             self.flush()
 
     def _drop_pending(self) -> None:
-        self._parts, self._cparts, self._pending = [], None, 0
+        self._parts, self._cparts, self._pending_b = [], None, 0
+        self._until_clock = 0  # the next hint reads the clock: its batch's age starts there
 
     def _take(self) -> tuple[bytes, bytes | None]:
         """The pending hints as packed blocks and counts (None: all 1)."""
