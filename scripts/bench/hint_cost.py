@@ -44,6 +44,23 @@ POOL = 256 << 20
 BLOCK = 2 << 20
 
 
+class Floor:
+    """Stand-ins for ``region.hint`` timed the same way: what a call that
+    does nothing, keeps a reference, or copies the ids costs (the floor of
+    any hint path in Python; ``frames_sent`` stays 0)."""
+
+    def __init__(self, client, kind: str):
+        self.client, self.kind, self.parts = client, kind, []
+
+    def hint(self, ids) -> None:
+        if self.kind == "append":
+            self.parts.append(ids)
+        elif self.kind == "tobytes":
+            self.parts.append(ids.tobytes())
+        if len(self.parts) > 4096:
+            self.parts.clear()
+
+
 def run(region, ids, calls: int, gap: float = 0.0) -> dict:
     client = region.client
     frames0 = client._next_id
@@ -81,13 +98,16 @@ def main() -> int:
                     help="sleep between calls (the guest workload's pass takes ~1700 us): "
                          "batches are then sent by hint_interval, not by hint_batch")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--floors", action="store_true",
+                    help="also time an empty call, a list append and a tobytes() copy the same way")
     ap.add_argument("--json")
     a = ap.parse_args()
     buf = mmap.mmap(-1, POOL, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     buf.write(b"\1" * POOL)
     out: dict = {"machine": machine(), "loadavg": os.getloadavg()}
     with tempfile.TemporaryDirectory() as wd:
-        p = start_daemon(wd, None, tick=1.0)
+        # (in the TCG guest kvtierd takes 10-40 s to start: its imports over 9p)
+        p = start_daemon(wd, None, tick=1.0, ready_timeout=180.0)
         try:
             with Client(os.path.join(wd, "kvtierd.sock")) as c:
                 region = c.register(buf, block_size=BLOCK, name="hint_cost")
@@ -99,6 +119,9 @@ def main() -> int:
                 out["uint32 array"] = run(region, ids, a.calls, gap)
                 out["int64 array"] = run(region, ids.astype(np.int64), a.calls, gap)
                 out["list"] = run(region, ids.tolist(), a.calls, gap)
+                if a.floors:
+                    for kind in ("empty", "append", "tobytes"):
+                        out[f"floor: {kind}"] = run(Floor(c, kind), ids, a.calls, gap)
                 errs = c.flush()
                 out["async_errors"] = len(errs)
                 out["hints_dropped"] = c.hints_dropped
@@ -118,7 +141,7 @@ def main() -> int:
     print("| ids passed as | calls | blocks/call | frames sent | mean us | p50 us | p99 us | max us "
           "| thread CPU us/call | share of time in sending calls |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for k in ("uint32 array", "int64 array", "list"):
+    for k in [k for k in out if k in ("uint32 array", "int64 array", "list") or k.startswith("floor")]:
         r = out[k]
         print(f"| {k} | {r['calls']} | {r['blocks_per_call']} | {r['frames_sent']} | {r['mean_us']:.2f} "
               f"| {r['p50_us']:.2f} | {r['p99_us']:.2f} | {r['max_us']:.0f} | {r['thread_cpu_us_per_call']:.2f} "

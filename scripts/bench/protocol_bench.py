@@ -58,7 +58,8 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} CPUs, Linux {platform.release()}, Python {platform.python_version()}"
 
 
-def start_daemon(workdir: str, cpu: int | None, rt: bool = False, tick: float = 3600.0) -> subprocess.Popen:
+def start_daemon(workdir: str, cpu: int | None, rt: bool = False, tick: float = 3600.0,
+                 ready_timeout: float = 30.0) -> subprocess.Popen:
     sock = os.path.join(workdir, "kvtierd.sock")
     cfg = os.path.join(workdir, "kvtierd.toml")
     with open(cfg, "w") as f:
@@ -73,7 +74,7 @@ def start_daemon(workdir: str, cpu: int | None, rt: bool = False, tick: float = 
     if rt:
         cmd = ["chrt", "-f", "50"] + cmd
     p = subprocess.Popen(cmd, stderr=open(os.path.join(workdir, "log"), "w"))
-    return wait_ready(p, sock, os.path.join(workdir, "log"))
+    return wait_ready(p, sock, os.path.join(workdir, "log"), ready_timeout)
 
 
 def wait_ready(p: subprocess.Popen, sock: str, log: str, timeout: float = 30.0) -> subprocess.Popen:

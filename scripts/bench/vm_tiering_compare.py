@@ -281,6 +281,7 @@ def run_mode(mode: str, seconds: float, log_level: str = "info", sample_s: float
         hint_s = [0.0]  # the workload's time inside region.hint(): what hinting costs the engine
         noop_s = [0.0]  # ... and inside an empty function call timed the same way
         hot_ids: dict[int, np.ndarray] = {}
+        first_hint: list[float] = []  # when the workload first hinted each phase's hot set (s from start)
         loop_s = [0.0]
 
         region = None
@@ -308,6 +309,7 @@ def run_mode(mode: str, seconds: float, log_level: str = "info", sample_s: float
                     ids = hot_ids.get(first)
                     if ids is None:
                         ids = hot_ids[first] = np.arange(first, first + HOT_BLOCKS, dtype=np.uint32)
+                        first_hint.append(round(time.monotonic() - start, 3))  # once per phase
                     # The floor of this measurement: a call of a Python
                     # function that does nothing, timed the same way (a
                     # clock read is a system call in this guest), in
@@ -396,6 +398,7 @@ def run_mode(mode: str, seconds: float, log_level: str = "info", sample_s: float
             "setup_move_s": round(setup_s, 2),
             "pool_on_far_at_start": round(on_far, 4),
             "touch_rounds": rounds[0],
+            "first_hint_s": first_hint,
             "hint_call_s": round(hint_s[0], 3),
             "hint_share": round(hint_s[0] / loop_s[0], 5) if loop_s[0] > 0 else None,
             "noop_call_s": round(noop_s[0], 3),
