@@ -178,6 +178,7 @@ class MoveJob:
     reason: np.ndarray | None = None  # STUCK_* evidence per block (blocks.py)
     dry: np.ndarray | None = None  # planned moves a dry run did not make
     failures: collections.Counter = field(default_factory=collections.Counter)  # (src, dst, errno) -> pages
+    pair_seconds: collections.Counter = field(default_factory=collections.Counter)  # (src, dst) -> mover s
     measured_tier: np.ndarray | None = None  # failed moves, re-measured after the move (-1: not)
     seconds: float = 0.0
     ticket: np.ndarray | None = None  # int64 MoveTicket id per move (-1: none)
@@ -749,7 +750,12 @@ class Engine:
             return
         job = self._build_scheduled(self.clock())
         if job is not None:
-            self._submit(self.mover, self._run_move, self._finish_move, job)
+            self._submit_move(job)
+
+    def _submit_move(self, job: MoveJob) -> None:
+        if self.recorder is not None:
+            self.recorder.move_started(job.started, job.src, job.dst, job.nbytes)  # a replay's mover is busy from here
+        self._submit(self.mover, self._run_move, self._finish_move, job)
 
     # -- between ticks: registrations, hints, observations ----------------
 
@@ -959,6 +965,8 @@ class Engine:
             self.manual.clear()
             self.scheduled.clear()
             return
+        if self.recorder is not None:
+            self.recorder.ticked(now, self.mover.busy)  # the replay runs on this clock
         if self.mover.busy:
             self.stats.ticks_skipped_busy += 1
         else:
@@ -968,7 +976,7 @@ class Engine:
             if job is None:
                 job = self._build_move(now)
             if job is not None:
-                self._submit(self.mover, self._run_move, self._finish_move, job)
+                self._submit_move(job)
         if not self.measurer.busy:
             job = self._build_measure(now)
             if job is not None:
@@ -1123,6 +1131,7 @@ class Engine:
                 if not sel.size:
                     continue
             starts, lengths = job.addr[sel], job.nbytes[sel]
+            t_batch = time.monotonic()
             try:
                 if self._is_swap(int(dst)):
                     res = m.pageout(int(pid), starts, lengths)
@@ -1131,6 +1140,7 @@ class Engine:
                 else:
                     res = m.move(int(pid), starts, lengths, self._node_for(int(dst), int(pid)))
             except (KvtierError, OSError) as e:
+                job.pair_seconds[(int(src), int(dst))] += time.monotonic() - t_batch
                 name = UNMAPPED if isinstance(e, RangeNotMapped) else (
                     getattr(e, "errno_name", None) or type(e).__name__)
                 if name == UNMAPPED:
@@ -1143,6 +1153,7 @@ class Engine:
                 logs.event(log, "migration_batch_failed", logging.WARNING, pid=int(pid), src=int(src),
                            dst=int(dst), blocks=int(sel.size), reason=name, error=str(e))
                 continue
+            job.pair_seconds[(int(src), int(dst))] += time.monotonic() - t_batch
             if res.dry_run:
                 # Nothing moved: neither a success (the tier stays what the
                 # kernel says) nor a failure (no backoff); counted apart.
@@ -1274,6 +1285,10 @@ class Engine:
             if job.engine_pos is not None:
                 ok_plan[job.engine_pos] = True  # in the engines' hands: refunded by their answers
             self.pstate = pol.refund(self.pstate, job.plan, ok_plan, self.policy_cfg)
+        if self.recorder is not None:
+            real = live & ~dry  # what the kernel was asked to do (a dry run's moves cost nothing)
+            self.recorder.moved(job.started, now, job.src[real], job.dst[real], job.nbytes[real], job.ok[real],
+                                job.pair_seconds, job.failures)
         self._record_placements()
 
     def _count_dry(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
@@ -1329,10 +1344,10 @@ class Engine:
             # what of a failed block did reach the target counts as moved pages
             self._settle(tk.id, int(final.sum()), "failed", int(job.done_pages[final].sum()), errors=errors)
 
-    def _record_placements(self) -> None:
+    def _record_placements(self, cause: str = "move") -> None:
         if self.recorder is not None:
             self.recorder.config(self.tier_states(), self.policy_cfg)
-            self.recorder.placed()
+            self.recorder.placed(cause)
 
     # -- measure -----------------------------------------------------------
 
@@ -1562,7 +1577,7 @@ class Engine:
         suspect = self._suspect_regions(sorted(suspect), self.clock()) if suspect else []
         if suspect:
             self.check_mapping(suspect)
-        self._record_placements()
+        self._record_placements("seen")
         if self._measure_soon or self._first_look:
             self.loop.call_soon(self.measure_soon)
 

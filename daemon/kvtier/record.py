@@ -16,8 +16,22 @@ recording reader understands:
 
 * ``# obs T SOURCE BLOCK COUNT``: hotness-source observations (DAMON,
   access bits, perf) with their weight applied;
-* ``# place T BLOCK TIER``: each block's tier when it changes (moves and
-  measurements);
+* ``# place T BLOCK TIER CAUSE``: each block's tier when it changes; CAUSE
+  ``move`` (a move job's results), ``seen`` (a residency measurement found it
+  there: the kernel moved it, e.g. a read faulted it back from swap) or
+  ``start`` (the state a file starts with);
+* ``# tick T BUSY``: each tick of the engine, BUSY 1 when the mover was still
+  running the previous job so no plan was made: the tick clock as it ran,
+  late and skipped ticks included;
+* ``# job T0 SRC DST BLOCKS BYTES``: a move job handed to the mover, one
+  line per source and destination tier (so a job still running when the
+  recording ends is known), and when it is done
+  ``# move T0 T1 SRC DST BLOCKS BYTES OK_BLOCKS OK_BYTES FAILED_PAGES
+  SECONDS``: T0 when the job was planned, T1 when its results reached the
+  block table, SECONDS the mover's own time on that pair's batches;
+* ``# region T REGION BLOCK_BYTES BLOCKS``: each registered region's block
+  size (the header's ``block_bytes`` is only the most common size among the
+  blocks live when the file was opened: none, at the daemon's start);
 * ``# tiers T name:kind:capacity ...`` and ``# policy T key=value ...``: the
   configuration in force (at the start of each file and when it changes).
 
@@ -107,8 +121,10 @@ class Recorder:
         # Every live block, so this file replays on its own after a rotation.
         t = self.table
         if len(t):
+            for rid in sorted(t.slices):
+                self._region_line(rid)
             self._rows("alloc", block_ids(t.region, t.index), np.zeros(len(t)))
-            self._places(block_ids(t.region, t.index), t.tier.copy(), force=True)
+            self._places(block_ids(t.region, t.index), t.tier.copy(), "start", force=True)
 
     def _rotate(self) -> None:
         self._f.close()
@@ -169,8 +185,14 @@ class Recorder:
     def _write_config(self, tiers: str, settings: str) -> None:
         self._write(f"# tiers {self._now():.6f} {tiers}\n# policy {self._now():.6f} {settings}\n")
 
+    def _region_line(self, region_id: int) -> None:
+        s = self.table.slices[region_id]
+        nbytes = int(self.table.nbytes[s.start]) if s.count else 0
+        self._write(f"# region {self._now():.6f} {region_id} {nbytes} {s.count}\n")
+
     def region_added(self, region_id: int) -> None:
         s = self.table.slices[region_id]
+        self._region_line(region_id)
         self._rows("alloc", block_ids(self.table.region[s.start:s.stop], self.table.index[s.start:s.stop]),
                    np.zeros(s.count))
 
@@ -192,12 +214,55 @@ class Recorder:
         self._lines(f"# obs {self._now():.6f} {source} %d %g", block_ids(t.region[rows], t.index[rows]),
                     counts.astype(np.float64) * weight)
 
-    def placed(self) -> None:
-        """Tiers of blocks that changed since the last call (after a job)."""
+    def placed(self, cause: str = "move") -> None:
+        """Tiers of blocks that changed since the last call (after a job):
+        ``move`` after a move job, ``seen`` after a measurement."""
         t = self.table
-        self._places(block_ids(t.region, t.index), t.tier.copy())
+        self._places(block_ids(t.region, t.index), t.tier.copy(), cause)
 
-    def _places(self, ids: np.ndarray, tiers: np.ndarray, force: bool = False) -> None:
+    def ticked(self, at: float, busy: bool) -> None:
+        """An engine tick at clock time ``at``; ``busy``: the mover still ran
+        the last job, so this tick made no plan."""
+        self._write(f"# tick {at - self.t0:.6f} {int(busy)}\n")
+
+    def move_started(self, started: float, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
+        """A move job handed to the mover (planned at clock time ``started``)."""
+        uniq, blocks, total = self._pairs(src, dst, nbytes, np.zeros(src.size))[:3]
+        self._write("".join(f"# job {started - self.t0:.6f} {s} {d} {int(blocks[k])} {int(total[k])}\n"
+                            for k, (s, d) in enumerate(uniq)))
+
+    @staticmethod
+    def _pairs(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, ok: np.ndarray):
+        """Per (source, destination) tier pair: blocks, bytes, ok blocks, ok bytes."""
+        pair = src.astype(np.int64) * 256 + dst.astype(np.int64)
+        uniq, inv = np.unique(pair, return_inverse=True)
+        inv = inv.ravel()
+        nb = nbytes.astype(np.float64)
+        okf = ok.astype(np.float64)
+        sums = [np.bincount(inv, weights=w, minlength=uniq.size) for w in (None, nb, okf, nb * okf)]
+        # floor division: a source of -1 (unknown) comes back as -1
+        return [divmod(p, 256) for p in uniq.tolist()], *sums
+
+    def moved(self, started: float, finished: float, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray,
+              ok: np.ndarray, seconds: dict, failures: dict) -> None:
+        """A finished move job (clock times ``started``: planned,
+        ``finished``: applied), per tier pair: what was asked, what arrived,
+        the pages that failed and the mover's time on the pair
+        (``seconds[(src, dst)]``; ``failures[(src, dst, reason)]`` pages)."""
+        if src.size == 0:
+            return
+        uniq, blocks, total, ok_blocks, ok_bytes = self._pairs(src, dst, nbytes, ok)
+        failed: dict = {}
+        for (s, d, _reason), pages in failures.items():
+            failed[(s, d)] = failed.get((s, d), 0) + pages
+        t0, t1 = started - self.t0, finished - self.t0
+        lines = []
+        for k, (s, d) in enumerate(uniq):
+            lines.append(f"# move {t0:.6f} {t1:.6f} {s} {d} {int(blocks[k])} {int(total[k])} {int(ok_blocks[k])} "
+                         f"{int(ok_bytes[k])} {int(failed.get((s, d), 0))} {float(seconds.get((s, d), 0.0)):.6f}\n")
+        self._write("".join(lines))
+
+    def _places(self, ids: np.ndarray, tiers: np.ndarray, cause: str, force: bool = False) -> None:
         order = np.argsort(ids)
         ids, tiers = ids[order], tiers[order]
         if force or self._known_ids.size == 0:
@@ -209,7 +274,7 @@ class Recorder:
             changed = ~seen | (self._known_tier[pos_c] != tiers)
         self._known_ids, self._known_tier = ids, tiers
         if changed.any():
-            self._lines(f"# place {self._now():.6f} %d %d", ids[changed], tiers[changed])
+            self._lines(f"# place {self._now():.6f} %d %d {cause}", ids[changed], tiers[changed])
 
     def close(self) -> None:
         if self._f is not None:

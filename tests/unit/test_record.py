@@ -131,3 +131,177 @@ def test_kvtier_sim_replays_a_recording(setup, capsys):
     assert doc["tiers"][0]["capacity_bytes"] == 4 * MIB
     (res,) = doc["results"]
     assert 0 < res["hit_ratio"][0] <= 1
+
+
+def test_recorded_machine_ticks_moves_and_faults(setup):
+    """The ``# tick`` / ``# move`` / ``# place ... seen`` lines the engine
+    writes become the replay's machine: tick times, per pair throughput and
+    latency (fitted over jobs of different sizes), job overhead, faults."""
+    s = setup
+    r = s.reg.add(os.getpid(), addr(s.bufs[0]), 8 * MIB, 2 * MIB)
+    t0 = s.clock.t
+    s.table.tier[:] = [0, 0, 1, 1]
+    s.rec.placed("seen")
+    for k, (nblocks, sec) in enumerate([(1, 0.12), (2, 0.22), (4, 0.42)]):  # 0.02 s + 2 MiB per 0.1 s
+        s.clock.t = t0 + 1.0 + k
+        s.rec.ticked(s.clock.t, False)
+        s.rec.ticked(s.clock.t + 0.5, True)  # the mover was still busy
+        src = np.ones(nblocks, dtype=np.int8)
+        s.rec.moved(s.clock.t, s.clock.t + sec + 0.05, src, np.zeros(nblocks, dtype=np.int8),
+                    np.full(nblocks, 2 * MIB, dtype=np.uint64), np.ones(nblocks, dtype=bool),
+                    {(1, 0): sec}, {(1, 0, "EBUSY"): 3})
+    s.reg.hint(r.id, np.array([2], dtype=np.uint32), None)  # a hint of a block in swap (tier 1)
+    s.rec.close()
+    rec = recording.load(s.dir)
+    m = rec.machine()
+    assert m.tick_times == pytest.approx([1.0, 1.5, 2.0, 2.5, 3.0, 3.5]) and rec.ticks_busy == 3
+    assert m.bytes_per_s[(1, 0)] == pytest.approx(2 * MIB / 0.1, rel=1e-6)
+    assert m.latency_s[(1, 0)] == pytest.approx(0.02, abs=1e-6)
+    assert m.overhead_s == pytest.approx(0.05, abs=1e-6)
+    assert rec.moves[:, 8].tolist() == [3, 3, 3]  # failed pages per line
+    assert rec.hinted_in_swap == 1 and rec.fault_ins == 0 and m.swap_faults is False
+    cfg = rec.sim_config()
+    assert cfg.machine is not None and len(cfg.machine.tick_times) == 6
+    assert rec.sim_config(tick_s=0.25).machine.tick_times == ()  # --tick: a uniform clock, recorded speeds
+    assert rec.sim_config(migrator="model").machine is None
+
+
+def test_a_block_read_back_from_swap_means_reads_fault(setup):
+    s = setup
+    r = s.reg.add(os.getpid(), addr(s.bufs[0]), 8 * MIB, 2 * MIB)
+    s.table.tier[:] = [0, 0, 1, 1]
+    s.rec.placed("move")
+    s.reg.hint(r.id, np.array([2], dtype=np.uint32), None)
+    s.table.tier[2] = 0  # found in DRAM by a measurement, no move: the read faulted it in
+    s.rec.placed("seen")
+    s.rec.ticked(s.clock.t, False)
+    s.rec.close()
+    rec = recording.load(s.dir)
+    assert rec.fault_ins == 1 and rec.machine().swap_faults is True
+
+
+def test_replay_allocates_a_block_when_the_daemon_first_knew_its_tier(setup):
+    """Live, a block is planned only once measured: the replay allocates it
+    then (its first ``# place``), never after its first hint."""
+    s = setup
+    r = s.reg.add(os.getpid(), addr(s.bufs[0]), 8 * MIB, 2 * MIB)  # t = 0
+    s.clock.t += 2.0
+    s.table.tier[:2] = 0  # blocks 0 and 1 measured at t = 2
+    s.rec.placed("seen")
+    s.clock.t += 1.0
+    s.reg.hint(r.id, np.array([0, 3], dtype=np.uint32), None)  # block 3 hinted at t = 3, measured later
+    s.clock.t += 1.0
+    s.table.tier[2:] = 1
+    s.rec.placed("seen")
+    s.rec.close()
+    tr = recording.load(s.dir).trace
+    alloc = tr.op == OP_ALLOC
+    at = dict(zip(tr.block[alloc].tolist(), tr.t[alloc].tolist()))
+    assert at == pytest.approx({0: 2.0, 1: 2.0, 2: 4.0, 3: 3.0})
+
+
+class _Once:
+    """A policy that asks for one move (block 1 to tier 0) and records when
+    it is asked to decide and what the migrator answered."""
+
+    name = "once"
+    needs_future = False
+
+    def attach(self, eng):
+        self.eng, self.decided, self.answers = eng, [], []
+
+    def place(self, rows):
+        return np.where(rows == 0, 0, 1).astype(np.int8)
+
+    def observe(self, *a):
+        pass
+
+    def freed(self, rows):
+        pass
+
+    def decide(self, now):
+        self.decided.append(now)
+        if len(self.decided) == 1:
+            return np.array([1]), np.array([0], dtype=np.int8)
+        return np.zeros(0, np.int64), np.zeros(0, np.int8)
+
+    def moved(self, rows, dst, ok, now):
+        self.answers.append((now, rows.tolist(), ok.tolist()))
+
+
+def test_the_recorded_migrator_lands_a_move_when_its_job_ends():
+    """With a recorded machine a move takes the recorded time: reads before
+    the job's end miss, ticks while it runs make no plan; the tier model's
+    per-tick migrator lands it within the tick."""
+    from kvtier.sim.model import RecordedMachine, SimConfig, SimTier
+    from kvtier.sim.runner import Engine
+    from kvtier.sim.trace import Trace
+
+    t = np.r_[0.0, 0.0, np.arange(1, 41) * 0.25 - 0.01]  # block 1 read every 0.25 s for 10 s
+    tr = Trace(t, np.r_[0, 1, np.ones(40, np.int64)], np.r_[0, 0, np.ones(40, np.uint8)], np.r_[0, 0, np.ones(40)],
+               2, 2 * MIB)
+    tiers = (SimTier("dram", "dram", 4 * MIB, 100, 40, 4, 3), SimTier("cxl", "cxl", 4 * MIB, 250, 20, 4, 1.5))
+    ticks = tuple(np.arange(1, 41) * 0.25)
+    # 2 MiB at 1 MiB/s + 0.5 s latency + 0.5 s overhead: the job planned at 0.25 s ends at 3.25 s
+    slow = RecordedMachine(ticks, {(1, 0): float(MIB)}, {(1, 0): 0.5}, 0.5, swap_faults=False)
+    p = _Once()
+    res = Engine(tr, SimConfig(tiers, 0.25, slow)).run(p)
+    assert p.answers == [(3.25, [1], [True])]
+    assert p.decided[:2] == [0.25, 3.25]  # nothing planned while the job ran
+    assert res.extra["ticks_busy"] == 11 and res.extra["move_jobs"] == 1
+    # block 1's reads up to 3.24 s miss (13 of them), the 27 after hit
+    assert res.served[0] == pytest.approx(27)
+    # The same job recorded at the same tick took 1.0 s: the replay takes its time, not the fit's.
+    from dataclasses import replace as _replace
+    timed = _replace(slow, jobs={RecordedMachine.job_key(0.25, [(1, 0, 1)]): 1.0})
+    p = _Once()
+    res = Engine(tr, SimConfig(tiers, 0.25, timed)).run(p)
+    assert p.answers == [(1.25, [1], [True])] and res.served[0] == pytest.approx(35)  # 5 reads before 1.25 s
+    fast = _Once()
+    res = Engine(tr, SimConfig(tiers, 0.25)).run(fast)
+    assert fast.answers[0][0] == 0.25 and res.served[0] == pytest.approx(39)
+
+
+def test_a_job_still_running_at_the_end_keeps_the_replay_mover_busy(setup):
+    """A job handed to the mover and never finished (TCG's CXL moves are that
+    slow) is in the recording: the replay's speed for its pair is at most
+    its bytes over the time it had."""
+    s = setup
+    s.reg.add(os.getpid(), addr(s.bufs[0]), 8 * MIB, 2 * MIB)
+    s.rec.ticked(s.clock.t + 1.0, False)
+    s.rec.move_started(s.clock.t + 1.0, np.zeros(2, np.int8), np.ones(2, np.int8), np.full(2, 2 * MIB))
+    s.rec.ticked(s.clock.t + 9.0, True)
+    s.rec.close()
+    rec = recording.load(s.dir)
+    m = rec.machine()
+    assert rec.unfinished.shape[0] == 1 and rec.moves.size == 0
+    assert m.bytes_per_s[(0, 1)] == pytest.approx(4 * MIB / 8.0)
+    assert rec.machine_doc()["move_jobs_unfinished"] == 1
+
+
+def test_replay_takes_the_regions_block_size_and_the_kernels_first_placement(setup):
+    """The header's block size is the live blocks' when the file opened (none
+    at the daemon's start); the ``# region`` lines carry each region's. The
+    replay of the recorded tiers starts each block where the daemon first
+    measured it (DRAM beyond kvtier's share of it, as the kernel placed it)."""
+    s = setup
+    s.reg.add(os.getpid(), addr(s.bufs[0]), 8 * MIB, 1 * MIB)  # 8 blocks of 1 MiB
+    s.clock.t += 1.0
+    s.table.tier[:] = [0, 0, 0, 0, 0, 0, 1, 1]
+    s.rec.placed("seen")
+    s.rec.ticked(s.clock.t, False)
+    s.rec.close()
+    rec = recording.load(s.dir)
+    assert rec.trace.block_bytes == MIB
+    assert rec.first_tier.tolist() == [0, 0, 0, 0, 0, 0, 1, 1]
+    cfg = rec.sim_config()  # DRAM 4 MiB: 4 blocks, 6 start there
+    assert cfg.machine.first_tier is not None and rec.sim_config(dram_gib=1).machine.first_tier is None
+    from kvtier.sim.policies import SimPolicy
+    from kvtier.sim.runner import Engine
+
+    eng = Engine(rec.trace, cfg)
+    eng.run(SimPolicy())  # a policy that never moves: the blocks stay where they were placed
+    assert eng.tier.tolist() == [0, 0, 0, 0, 0, 0, 1, 1]
+    eng = Engine(rec.trace, rec.sim_config(migrator="model"))
+    eng.run(SimPolicy())
+    assert eng.tier.tolist() == [0] * 8  # first touch: never swap, so DRAM over-fills

@@ -48,7 +48,7 @@ def peak_live_bytes(tr) -> int:
 def sized_config(tr, args) -> SimConfig:
     rec = getattr(args, "recording", None)
     if rec is not None and not args.config:  # a kvtierd recording: its own tiers unless sizes are given
-        cfg = rec.sim_config(args.dram_gib, args.cxl_gib, args.tick)
+        cfg = rec.sim_config(args.dram_gib, args.cxl_gib, args.tick, args.migrator)
         return cfg.with_swap() if args.swap else cfg
     cfg = load_config(args.config) if args.config else SimConfig()
     if args.tick:
@@ -211,7 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--dram-frac", type=float, default=DEFAULT_DRAM_FRAC,
                    help="DRAM as a fraction of peak live bytes (request traces: of the footprint)")
     r.add_argument("--swap", action="store_true", help="add an NVMe swap tier")
-    r.add_argument("--tick", type=float, help="seconds per policy tick")
+    r.add_argument("--tick", type=float, help="seconds per policy tick (a recording: instead of its recorded tick times)")
+    r.add_argument("--migrator", choices=("recorded", "model"), default="recorded",
+                   help="a kvtierd recording: replay its recorded migrator and tick clock (default) "
+                        "or the tier model's per-tick migration budget")
     r.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
                    help="kvtier setting over the daemon's shipped default: policy.KEY (any PolicyConfig field) "
                         "or hotness.KEY (tau_s, end_of_run); repeatable")
@@ -286,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
             }
             if rec is not None:
                 doc["recording"] = {"files": rec.files, "live_fast_hit": rec.live_fast_hit,
-                                    "hinted_accesses": rec.hinted_accesses}
+                                    "hinted_accesses": rec.hinted_accesses,
+                                    "machine": rec.machine_doc() if cfg.machine is not None else None}
             print(json.dumps(doc, indent=2, default=str))
         else:
             gib = ", ".join(f"{t.name} {t.capacity_bytes / GIB:.1f} GiB" for t in cfg.tiers)

@@ -21,8 +21,10 @@ Every number can be overridden from a TOML file:
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+
+import numpy as np
 
 from ..errors import ConfigError
 from ..policy import TIER_KINDS, TierState
@@ -58,10 +60,70 @@ DEFAULT_SWAP = SimTier(
 
 
 @dataclass(frozen=True)
+class RecordedMachine:
+    """The migrator and tick clock of the machine a kvtierd recording was
+    made on (kvtier.sim.recording reads them from its ``# move`` and
+    ``# tick`` lines). With it the engine runs the daemon's own scheme
+    instead of the per-tick budget: one move job at a time, planned at a
+    tick, taking ``overhead_s`` plus, per tier pair, ``latency_s + bytes /
+    bytes_per_s`` (pairs the recording never moved between take the tiers'
+    ``migrate_gbps``); its moves land when it ends, and a tick while it runs
+    makes no plan. Blocks start in the tier the daemon first found them
+    in (``first_tier``: the kernel's placement, DRAM past kvtier's share of
+    it included), not by the model's first touch. A job the replay plans at the tick a recorded job was
+    planned at, with the same blocks per tier pair, takes that job's recorded
+    time (``jobs``): where the replay does what the daemon did, it takes as
+    long as it took, stalls of the loaded machine included. Ticks fall at
+    ``tick_times`` (seconds from the start), late and lost ticks included,
+    then every ``tick_s`` after the last."""
+
+    tick_times: tuple[float, ...] = ()
+    bytes_per_s: dict = field(default_factory=dict)  # (src, dst) tier index -> bytes per mover second
+    latency_s: dict = field(default_factory=dict)  # (src, dst) -> fixed seconds per batch
+    overhead_s: float = 0.0  # from plan to results in the table, beyond the batches themselves
+    swap_faults: bool = True  # a read of a swapped block faults it back (False: the reads never touched memory)
+    # recorded jobs: (plan time rounded to 1 us, ((src, dst, blocks), ...) sorted) -> seconds to results
+    jobs: dict = field(default_factory=dict)
+    # per block (dense id): the tier the daemon first measured it in (-1: never), i.e. where the
+    # kernel put it; the replay of the recorded tiers places blocks there, not by first touch
+    first_tier: np.ndarray | None = field(default=None, compare=False)
+
+    @staticmethod
+    def job_key(planned: float, pairs) -> tuple:
+        return round(float(planned), 6), tuple(sorted((int(s), int(d), int(n)) for s, d, n in pairs))
+
+    def job_seconds(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, tiers,
+                    planned: float | None = None) -> float:
+        """How long the recorded migrator takes for these moves (one job
+        planned at ``planned``)."""
+        if src.size == 0:
+            return 0.0
+        pair = src.astype(np.int64) * 256 + dst.astype(np.int64)
+        uniq, inv = np.unique(pair, return_inverse=True)
+        inv = inv.ravel()
+        if planned is not None and self.jobs:
+            counts = np.bincount(inv, minlength=uniq.size)
+            key = self.job_key(planned, ((*divmod(p, 256), n) for p, n in zip(uniq.tolist(), counts.tolist())))
+            if key in self.jobs:
+                return self.jobs[key]
+        total = np.bincount(inv, weights=nbytes.astype(np.float64), minlength=uniq.size)
+        sec = self.overhead_s
+        for k, p in enumerate(uniq.tolist()):
+            key = divmod(p, 256)
+            bps = self.bytes_per_s.get(key)
+            if bps is None:  # never seen on the recorded machine: the tier model's figure
+                bps = min(tiers[key[0]].migrate_gbps, tiers[key[1]].migrate_gbps) * 1e9
+            sec += self.latency_s.get(key, 0.0) + float(total[k]) / bps
+        return sec
+
+
+@dataclass(frozen=True)
 class SimConfig:
     tiers: tuple[SimTier, ...] = DEFAULT_TIERS
     tick_s: float = 1.0
-    # migrator budget is per tick and per direction, min(migrate_gbps) of the pair
+    # migrator budget is per tick and per direction, min(migrate_gbps) of the pair;
+    # a recording's own migrator and tick clock instead, when given
+    machine: RecordedMachine | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not self.tiers:

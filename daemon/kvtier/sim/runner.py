@@ -13,6 +13,14 @@ Per tick (``tick_s``), vectorised over all records of the tick:
    order: each move costs ``block_bytes / min(migrate_gbps of src, dst)``
    of the tick's time and must fit the destination's capacity; the first
    move that does not is where the migrator stops for this tick.
+
+With a recorded machine (``SimConfig.machine``, from a kvtierd recording)
+the ticks fall at the recorded tick times and step 4 is the daemon's
+scheme: the plan becomes one job that takes the recorded migrator's time;
+its moves serve the reads of the first tick that are mostly after the
+job's end, a tick after the end plans with them, and a tick while it runs
+plans nothing. A read of a swapped block
+faults it back only if the recording saw reads do so.
 """
 
 from __future__ import annotations
@@ -88,6 +96,16 @@ class Engine:
         memory tier anyway and counts as overflow.
         """
         dst = np.empty(rows.size, dtype=np.int8)
+        mach = self.cfg.machine
+        if mach is not None and mach.first_tier is not None and not skip_fast:
+            # where the recording's kernel put them (over kvtier's capacity too, as live)
+            seen = mach.first_tier[rows]
+            known = (seen >= 0) & (seen < len(self.cap_blocks))
+            if known.any():
+                dst[known] = seen[known]
+                if not known.all():
+                    dst[~known] = self.first_touch(rows[~known])
+                return dst
         pos = 0
         mem = [i for i in range(len(self.cap_blocks)) if not self.swap[i]]
         for i in mem:
@@ -121,7 +139,12 @@ class Engine:
     def run(self, policy: SimPolicy) -> Result:
         cfg = self.cfg
         T = len(cfg.tiers)
-        ticks = self.source.ticks(self.tick_s)
+        mach = cfg.machine
+        times = mach.tick_times if mach is not None else ()
+        bounds = self.source.tick_bounds(self.tick_s, times) if len(times) else None
+        ticks = self.source.ticks(self.tick_s, times) if len(times) else self.source.ticks(self.tick_s)
+        self.job = None  # recorded machine: (end time, rows, dst) of the move job in flight
+        self.jobs = self.busy_ticks = 0
         if policy.needs_future:
             self.future = list(ticks)
             ticks = iter(self.future)
@@ -136,7 +159,9 @@ class Engine:
         k = -1
         for k, tk in enumerate(ticks):
             self.k = k
-            now = (k + 1) * self.tick_s
+            now = (k + 1) * self.tick_s if bounds is None else float(bounds[k + 1])
+            if self.job is not None and bounds is not None and self.job[0] <= (bounds[k] + now) / 2:
+                self._land(policy, moved)  # the job ended before most of this tick's reads
             if tk.evict.size:
                 self._free(policy, tk.evict, k)
             a = tk.alloc
@@ -162,7 +187,7 @@ class Engine:
                 served += per
                 f0, tot = float(per[0]), float(per.sum())
                 reads += rows.size
-                if self.swap.any():
+                if self.swap.any() and (mach is None or mach.swap_faults):
                     self._swap_in(rows[self.swap[tt]], mem, moved)
             fast_t.append(f0)
             all_t.append(tot)
@@ -171,14 +196,23 @@ class Engine:
                 policy.lifecycle(tk.acquired, tk.released, now)
             if tk.free.size:
                 self._free(policy, tk.free, k)
+            if self.job is not None and self.job[0] <= now:
+                self._land(policy, moved)  # done before this tick: the daemon plans with its results
+            if self.job is not None:
+                self.busy_ticks += 1  # the mover still runs: no plan this tick, as in the daemon
+                continue
             rows, dst = policy.decide(now)
             if rows.size:
                 self._migrate(policy, np.asarray(rows, np.int64), np.asarray(dst, np.int8), moved, now)
+        if self.job is not None:
+            self._land(policy, moved)
         wall = time.perf_counter() - t0
         self.nticks = k + 1
         self.records = reads
         res = self._result(policy, served, moved, wall)
         res.timeline = (np.asarray(fast_t), np.asarray(all_t))
+        if mach is not None:
+            res.extra.update(move_jobs=self.jobs, ticks_busy=self.busy_ticks)
         return res
 
     def _free(self, policy, f: np.ndarray, k: int) -> None:
@@ -213,6 +247,15 @@ class Engine:
         keep &= self.alive[rows] & (src >= 0) & (src != dst) & (dst >= 0) & (dst < T)
         r, s, d = rows[keep], src[keep].astype(np.int64), dst[keep].astype(np.int64)
         n = r.size
+        mach = self.cfg.machine
+        if mach is not None:
+            # the daemon's mover: the whole plan as one job, landing when it ends
+            end = now + mach.job_seconds(s, d, np.full(n, self.block_bytes), self.cfg.tiers, planned=now)
+            self.job = (end, rows, dst, src, keep)
+            self.jobs += bool(n)
+            if not n:
+                self._land(policy, moved)  # nothing to move: no job, the plan is answered now
+            return
         # one migrator with tick_s of time, moves executed in plan order
         ok = np.cumsum(mig_ns[s, d]) <= self.tick_s * 1e9
         # capacity along the sequence: the first move that overfills its
@@ -224,15 +267,33 @@ class Engine:
                 ok[bad[0] :] = False
         stop = n if ok.all() else int(np.argmin(ok))
         ok[stop:] = False
-        r2, s2, d2 = r[ok], s[ok], d[ok]
-        if r2.size:
-            self.tier[r2] = d2
-            self.occ -= np.bincount(s2, minlength=T)
-            self.occ += np.bincount(d2, minlength=T)
-            np.add.at(moved, (s2, d2), self.block_bytes)
+        self._apply(r[ok], s[ok], d[ok], moved)
         full_ok = np.zeros(rows.size, bool)
         full_ok[np.flatnonzero(keep)[ok]] = True
         policy.moved(rows, dst, full_ok, now)
+
+    def _apply(self, r, s, d, moved) -> None:
+        if r.size:
+            self.tier[r] = d
+            self.occ -= np.bincount(s, minlength=self.occ.size)
+            self.occ += np.bincount(d, minlength=self.occ.size)
+            np.add.at(moved, (s, d), self.block_bytes)
+
+    def _land(self, policy, moved) -> None:
+        """The recorded machine's job in flight ends: its moves take effect,
+        in plan order, each if its block is still where it was planned from
+        (a fault or a free meanwhile) and its destination has room."""
+        end, rows, dst, planned_src, keep = self.job
+        self.job = None
+        T = len(self.cap_blocks)
+        s = self.tier[rows].astype(np.int64)
+        d = dst.astype(np.int64)
+        ok = keep & self.alive[rows] & (s == planned_src)
+        for t in range(T):
+            occ = self.occ[t] + np.cumsum(np.where(ok, (d == t).astype(np.int64) - (s == t), 0))
+            ok &= ~((occ > self.cap_blocks[t]) & (d == t))
+        self._apply(rows[ok], s[ok], d[ok], moved)
+        policy.moved(rows, dst, ok, end)
 
     def _result(self, policy, served, moved, wall) -> Result:
         cfg = self.cfg

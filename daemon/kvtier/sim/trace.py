@@ -106,10 +106,23 @@ class Trace:
     def duration(self) -> float:
         return float(self.t[-1]) if self.t.size else 0.0
 
-    def ticks(self, tick_s: float):
-        """The records cut into ticks of ``tick_s``; reads of one block aggregated."""
-        nt = int(np.ceil(self.duration / tick_s)) + 1 if len(self) else 0
-        edges = np.searchsorted(self.t, np.arange(nt + 1) * tick_s, side="left")
+    def tick_bounds(self, tick_s: float, times=()) -> np.ndarray:
+        """Tick k holds the records in [bounds[k], bounds[k+1]) and decides at
+        bounds[k+1]: every ``tick_s``, or with ``times`` (a recording's tick
+        clock) at those times, then every ``tick_s`` after the last."""
+        if not len(self):
+            return np.zeros(1)
+        if len(times):
+            last = float(times[-1])
+            after = int(np.ceil(max(self.duration - last, 0.0) / tick_s)) + 1
+            return np.r_[0.0, np.asarray(times, dtype=np.float64), last + np.arange(1, after + 1) * tick_s]
+        return np.arange(int(np.ceil(self.duration / tick_s)) + 2) * tick_s
+
+    def ticks(self, tick_s: float, times=()):
+        """The records cut into ticks (``tick_bounds``); reads of one block aggregated."""
+        bounds = self.tick_bounds(tick_s, times)
+        nt = bounds.size - 1
+        edges = np.searchsorted(self.t, bounds, side="left")
         if nt:
             edges[-1] = len(self)
         for k in range(nt):
