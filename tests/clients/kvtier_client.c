@@ -404,9 +404,12 @@ typedef struct {
     int fd;
     uint64_t max_message_bytes;
     uint8_t *rx;    /* the last frame's payload */
+    uint32_t rx_n;
     node *pool;
     size_t pool_cap;
     node root;      /* the last frame, decoded */
+    uint8_t *ev;    /* an event that came while waiting for an answer */
+    uint32_t ev_n;
 } conn_t;
 
 static int write_all(int fd, const void *p, size_t n)
@@ -464,6 +467,7 @@ static int conn_open(conn_t *c, const char *path)
 static void conn_close(conn_t *c)
 {
     close(c->fd);
+    free(c->ev);
     free(c->rx);
     free(c->pool);
     c->rx = NULL;
@@ -483,6 +487,8 @@ static void send_frame(conn_t *c, buf_t *b)
     b->n = 0;
 }
 
+static void decode_rx(conn_t *c, uint32_t n);
+
 /* Read one frame and decode it into c->root. Returns 1, or 0 on EOF. */
 static int recv_frame(conn_t *c)
 {
@@ -501,6 +507,27 @@ static int recv_frame(conn_t *c)
         die("out of memory");
     if (read_all(c->fd, c->rx, n) != 1)
         die("EOF inside a frame of %u bytes", n);
+    c->rx_n = n;
+    decode_rx(c, n);
+    return 1;
+}
+
+/* The next event: one kept by answer(), else the next frame read. */
+static int next_event(conn_t *c)
+{
+    if (!c->ev)
+        return recv_frame(c);
+    free(c->rx);
+    c->rx = c->ev;
+    c->rx_n = c->ev_n;
+    c->ev = NULL;
+    decode_rx(c, c->rx_n);
+    return 1;
+}
+
+/* decode c->rx (n bytes) into c->root */
+static void decode_rx(conn_t *c, uint32_t n)
+{
     /* at most one node per payload byte */
     if (c->pool_cap < n) {
         free(c->pool);
@@ -516,7 +543,6 @@ static int recv_frame(conn_t *c)
         die("answer has %ld trailing bytes", (long)(d.end - d.p));
     if (c->root.type != T_MAP)
         die("answer is not a map");
-    return 1;
 }
 
 /* Read the answer to request `id`: skips events (id 0 with an `event` key,
@@ -528,8 +554,16 @@ static const node *answer(conn_t *c, uint64_t id, int *ok)
         if (!recv_frame(c))
             die("connection closed waiting for the answer to id %llu", (unsigned long long)id);
         const node *m = &c->root;
-        if (get(m, "event"))
+        if (get(m, "event")) {
+            /* section 3: an event may come between a request and its
+             * answer; keep it for whoever waits for it (one is enough here) */
+            if (c->ev)
+                die("a second event before it was taken");
+            c->ev = c->rx;
+            c->ev_n = c->rx_n;
+            c->rx = NULL;
             continue;
+        }
         const node *rid = get(m, "id");
         const node *okn = get(m, "ok");
         if (!is_uint(rid) || !okn || okn->type != T_BOOL)
@@ -664,17 +698,22 @@ static void engine_moves(conn_t *c, buf_t *b, uint64_t dst)
     uint64_t region = uget(r, "region", 0);
     CHECK(region >= 1 && uget(r, "blocks", 0) == 4 && uget(r, "block_size", 0) == 65536, "register_engine: answer");
 
+    /* with wait, from the owner's own connection: the wait ends when the
+     * block is handed over (`engine`), not at move_done */
     uint32_t blk = 1;
-    id = req(b, "migrate", 3);
+    id = req(b, "migrate", 4);
     mp_str(b, "region"); mp_uint(b, region);
     mp_str(b, "tier"); mp_uint(b, dst);
     mp_str(b, "blocks"); mp_u32s(b, &blk, 1);
+    mp_str(b, "wait"); mp_bool(b, 1);
     send_frame(c, b);
     r = expect_ok(c, id, "migrate engine block");
-    CHECK(uget(r, "queued", 0) == 1, "migrate engine block: queued %llu", (unsigned long long)uget(r, "queued", 0));
+    CHECK(uget(r, "blocks", 0) == 1 && uget(r, "engine", 0) == 1, "migrate engine block: blocks %llu engine %llu",
+          (unsigned long long)uget(r, "blocks", 0), (unsigned long long)uget(r, "engine", 0));
 
-    /* the event: id 0, ok true, event "move", body in result */
-    if (!recv_frame(c))
+    /* the event (before or after that answer): id 0, ok true, event
+     * "move", body in result */
+    if (!next_event(c))
         die("connection closed waiting for the move event");
     const node *m = &c->root;
     CHECK(str_eq(get(m, "event"), "move"), "expected a move event");
