@@ -13,7 +13,9 @@
  *   go without reading (one of them bad -> `invalid_argument`, the others
  *   answered in order); phase; query until measured, and a short page;
  *   blocks; stats; tiers; migrate with wait (to swap and back when the
- *   daemon has a swap tier, else to tier 0); regions paged one by one;
+ *   daemon has a swap tier, else to tier 0); with a swap tier, an
+ *   engine-mode region: migrate, the `move` event, move_done; regions
+ *   paged one by one;
  *   malformed payloads (unknown op, not a map, trailing bytes) on a
  *   connection that stays usable; unregister; query -> `not_found`;
  *   a zero-length frame and an oversized header, each closing its
@@ -981,6 +983,15 @@ int main(int argc, char **argv)
         send_frame(&c, &b);
         r = expect_ok(&c, id, "phase");
         CHECK(uget(r, "blocks", 0) == 2, "phase: blocks %llu", (unsigned long long)uget(r, "blocks", 0));
+        /* repeats count as entries: "active" on block 0 twice answers 2 */
+        uint32_t twice[2] = {0, 0};
+        id = req(&b, "phase", 3);
+        mp_str(&b, "region"); mp_uint(&b, region);
+        mp_str(&b, "phase"); mp_str(&b, "active");
+        mp_str(&b, "blocks"); mp_u32s(&b, twice, 2);
+        send_frame(&c, &b);
+        r = expect_ok(&c, id, "phase repeated");
+        CHECK(uget(r, "blocks", 0) == 2, "phase repeated: blocks %llu", (unsigned long long)uget(r, "blocks", 0));
     }
 
     /* ---- query until every block is measured (written memory: tier >= 0) */
