@@ -279,8 +279,10 @@ class Kvtier(SimPolicy):
         return dst
 
     def observe(self, rows, counts, times, now):
-        self.temp.decay(self.table, now)
+        # The daemon's order: the hints of a tick add up as they arrive, and
+        # the tick then decays them all, the latest too, before it plans.
         self.temp.add(self.table, rows, counts, now, SOURCE_WEIGHTS["hint"])
+        self.temp.decay(self.table, now)
         self.table.tier[:] = self.eng.tier  # implicit moves (swap-in) are the engine's
 
     def lifecycle(self, acquired, released, now):

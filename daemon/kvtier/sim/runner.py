@@ -281,17 +281,16 @@ class Engine:
 
     def _land(self, policy, moved) -> None:
         """The recorded machine's job in flight ends: its moves take effect,
-        in plan order, each if its block is still where it was planned from
-        (a fault or a free meanwhile) and its destination has room."""
+        each if its block is still where it was planned from (a fault or a
+        free meanwhile)."""
         end, rows, dst, planned_src, keep = self.job
         self.job = None
-        T = len(self.cap_blocks)
         s = self.tier[rows].astype(np.int64)
         d = dst.astype(np.int64)
+        # No capacity check: the daemon's mover makes every move of its plan
+        # (kvtier's capacity is the plan's to keep; only the kernel's memory
+        # could refuse, which a recording does not know).
         ok = keep & self.alive[rows] & (s == planned_src)
-        for t in range(T):
-            occ = self.occ[t] + np.cumsum(np.where(ok, (d == t).astype(np.int64) - (s == t), 0))
-            ok &= ~((occ > self.cap_blocks[t]) & (d == t))
         self._apply(rows[ok], s[ok], d[ok], moved)
         policy.moved(rows, dst, ok, end)
 
