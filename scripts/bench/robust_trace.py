@@ -222,8 +222,19 @@ def attribute(trace: list[tuple[float, float]], prof: dict, sched: SchedSampler 
         for k, v in parts.items():
             tail_ms[k] = tail_ms.get(k, 0.0) + v
     tail_ms = {k: round(v, 1) for k, v in tail_ms.items()}
+    # Over the whole phase: each task's CPU and its wait for one (ms), so
+    # the share of the 2 CPUs the daemon, the attackers and the good client
+    # had is on record beside the latencies.
+    phase_cpu = {}
+    if sched is not None:
+        for name in sched.samples:
+            r, q = sched.between(name, lo, hi)
+            if r > 1 or q > 1:
+                phase_cpu[threads.get(name, name)] = [round(r, 1), round(q, 1)]
     return {
         "requests": len(rows),
+        "seconds": round(hi - lo, 2),
+        "cpu_run_wait_ms": phase_cpu,
         "p99_tail_ms": tail_ms,
         "longest_callback_ms": dict(sorted(longest.items(), key=lambda kv: -kv[1][0])[:6]),
         "p99_ms": float(np.percentile(ms, 99)),
