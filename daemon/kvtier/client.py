@@ -29,6 +29,7 @@ import collections
 import ctypes
 import errno as _errno
 import grp
+import math
 import mmap
 import os
 import socket
@@ -249,6 +250,7 @@ class Region:
         self._stride = 1
         self._until_clock = 0  # calls left before the next clock read
         self._clock_at = 0.0  # when the clock was last read
+        self._sent_at = -math.inf  # when the last batch left (about: the clock read before it)
         self._first_pending = 0.0
         self.closed = False
         self.memory: PoolMemory | None = None  # set by Client.allocate
@@ -337,6 +339,14 @@ class Region:
         now = time.monotonic()
         if not n:
             self._first_pending = now
+            if now - self._sent_at >= interval:
+                # The first hint after an interval without any: nothing to
+                # batch it with, and it is the one a promotion waits for
+                # (a new request's blocks, a resumed session): it goes now.
+                self._clock_at = now
+                self._until_clock = self._stride
+                self.flush()
+                return
         else:
             span = now - self._clock_at
             if span < interval / 16 and self._stride < MAX_CLOCK_STRIDE:
@@ -349,6 +359,7 @@ class Region:
             self.flush()
 
     def _drop_pending(self) -> None:
+        self._sent_at = self._clock_at  # (the last clock read: close enough for "idle since")
         self._parts, self._cparts, self._pending_b = [], None, 0
         self._until_clock = 0  # the next hint reads the clock: its batch's age starts there
 

@@ -406,18 +406,21 @@ def test_hint_batches_copy_at_once_and_mix_counts(daemon, timeout):
     buf = _mmap.mmap(-1, 4096 * 4096)
     r = c.register(buf, block_size=4096)
     ids = np.array([1, 2])
+    r.hint(ids)  # the first hint after an interval without any leaves at once
+    assert c.stats()["block_hints_total"] == 2
+    ids = np.array([8, 9])
     r.hint(ids)
     ids[:] = 7  # reused by the engine for its next step: block 7 was never hinted
     r.hint([3])
     r.hint(np.array([[4], [5]]))
     r.hint([6], counts=[5])
     r.hint(np.arange(100, 2100))  # after counts appeared: counts of 1 are filled in
-    assert c.stats()["block_hints_total"] == 0  # all still pending
+    assert c.stats()["block_hints_total"] == 2  # the rest still pending
     assert c.flush() == []
-    assert c.stats()["block_hints_total"] == 2 + 1 + 2 + 1 + 2000
+    assert c.stats()["block_hints_total"] == 2 + 2 + 1 + 2 + 1 + 2000
     temps = protocol.unpack(c.request("blocks", region=r.id)["temps"], protocol.TEMPS_DTYPE, "temps")
     assert temps[7] == 0 and temps[0] == 0 and temps[2100] == 0
-    assert np.allclose(temps[[2, 3, 4, 5]], temps[1], rtol=1e-3) and temps[1] > 0
+    assert np.allclose(temps[[2, 3, 4, 5, 8, 9]], temps[1], rtol=1e-3) and temps[1] > 0
     assert temps[6] / temps[1] == pytest.approx(5, rel=1e-3)
     assert (temps[100:2100] > 0).all()
     r.unregister()
