@@ -81,6 +81,8 @@ DEFAULT_TAU_S = 5.0
 END_OF_RUN = 3.0
 # fresh at this value marks a block whose next read starts a new run
 _RESTART = np.float32(1.0)
+# rows per step of Temperature._arm: 8192 * 8 bytes, under the 256 KiB mmap threshold
+_ARM_CHUNK = 8192
 
 
 # Added to a finished block's silence in reuse_score: within about this long
@@ -121,6 +123,7 @@ class Temperature:
         # rows the last decay's silence test looked at (tests/unit/test_hotness.py
         # checks this does not grow with blocks nobody reads)
         self.rows_checked = 0
+        self._window_reads = 0  # rows added since the last decay
         self._scratch = np.empty(0, dtype=bool)
         # length of the last decay step: the reads a tick adds stand for that
         # long, so a run of reads starts that old (never 0: no division by 0)
@@ -146,6 +149,7 @@ class Temperature:
             np.multiply(fresh, f, out=fresh, where=mask)
             self._silence(table, now, mask)
             self.interval = dt
+            self._window_reads = 0
         if self.last_decay is None or now > self.last_decay:
             self.last_decay = now
 
@@ -159,7 +163,7 @@ class Temperature:
             self.epoch = float(now)
         return self.epoch
 
-    def _arm(self, table: BlockTable, rows: np.ndarray, t0: float | None) -> None:
+    def _arm(self, table: BlockTable, rows: np.ndarray, t0: float | None, rounds: int = 0) -> None:
         """Set ``check_at`` of ``rows``: a time before which their run cannot end.
 
         Until the next read (which arms again) a temperature only decays,
@@ -167,12 +171,14 @@ class Temperature:
         (so the window only grows). The silence test's left side at time t
         is then below temp(t) * log1p((t - last_access) / window): with
         temp(t) <= temp, not before D1 = last_access + window *
-        expm1(end_of_run / temp); and since temp(t) <= temp *
-        exp(-(D1 - t0) / tau) after D1, not before the D2 that gives, and so
-        on (three rounds: a block read about once a second is then never
-        tested until its next read, where the first bound alone had it
-        tested two or three times per pause). A bound, not the answer: at
-        that time ``_silence`` runs the exact test and arms again.
+        expm1(end_of_run / temp). Each of ``rounds`` refinements uses that
+        temp(t) <= temp * exp(-(D1 - t0) / tau) after D1 for a later D2,
+        and so on. A read arms with D1 alone (it is on every hint's path: a
+        few float64 passes per hinted row); the tick's silence test refines
+        the rows it looked at (three rounds: a block read about once a
+        second is then not looked at again until its next read). A bound,
+        not the answer: at that time ``_silence`` runs the exact test and
+        arms again.
 
         Rounding: a float32 decay can leave a temperature up to 2**-23 per
         tick above the exact exponential; the rounds allow 1 % for it, i.e.
@@ -186,18 +192,38 @@ class Temperature:
         if self.end_of_run <= 0:
             table.check_at[rows] = np.inf
             return
+        # In chunks whose float64 temporaries stay under glibc's fixed mmap
+        # threshold (daemon.bound_heap): a 64 Ki-row hint message in one go
+        # cost a fresh mmap and 128 page faults per temporary.
+        for lo in range(0, rows.size, _ARM_CHUNK):
+            self._arm_rows(table, rows[lo:lo + _ARM_CHUNK], t0 if rounds else None, rounds)
+
+    def _arm_rows(self, table: BlockTable, rows: np.ndarray, t0: float | None, rounds: int) -> None:
         temp = table.temp[rows].astype(np.float64)
-        window = self.tau_s * np.maximum(1.0 - table.fresh[rows].astype(np.float64), 1e-9)
+        window = table.fresh[rows].astype(np.float64)
+        np.subtract(1.0, window, out=window)
+        np.maximum(window, 1e-9, out=window)
+        window *= self.tau_s
         la = table.last_access[rows]
         e = self.end_of_run * (1.0 - 1e-6)
         with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
-            at = la + window * np.expm1(e / temp)
+            at = np.divide(e, temp)
+            np.expm1(at, out=at)
+            at *= window
+            at += la
             if t0 is not None:
-                for _ in range(3):
-                    left = temp * np.exp(-np.maximum(at - t0, 0.0) / self.tau_s) * 1.01
-                    np.maximum(at, la + window * np.expm1(e / left), out=at)
+                for _ in range(rounds):
+                    left = np.maximum(at - t0, 0.0)
+                    left *= -1.0 / self.tau_s
+                    np.exp(left, out=left)
+                    left *= temp * 1.01
+                    np.divide(e, left, out=left)
+                    np.expm1(left, out=left)
+                    left *= window
+                    left += la
+                    np.maximum(at, left, out=at)
             at -= self.epoch
-            at[~(temp > 0)] = np.inf  # nothing to end (and no NaN from a never-read row)
+            np.copyto(at, np.inf, where=~(temp > 0))  # nothing to end (and no NaN from a never-read row)
             at32 = at.astype(np.float32)  # past float32's range: inf, never
         np.nextafter(at32, np.float32(-np.inf), out=at32, where=at32 > at)
         table.check_at[rows] = at32
@@ -240,7 +266,11 @@ class Temperature:
         temp[ended] = 0.0
         table.fresh[ended] = _RESTART
         table.check_at[ended] = np.inf
-        self._arm(table, rows[~over], now)
+        # the silent ones refined (they stay silent or are read and armed
+        # again); those read since the last tick with the first bound
+        left = ~over
+        self._arm(table, rows[left & cand], now, rounds=3)
+        self._arm(table, rows[left & ~cand], now)
 
     def add(
         self,
@@ -262,7 +292,8 @@ class Temperature:
         # A read that starts a run (the block's first, or the first after its
         # run ended): the run is one interval old (the reads of a tick stand
         # for that long).
-        start = rows[(table.fresh[rows] >= _RESTART) | (la[rows] == -np.inf)]
+        old_la = la[rows]
+        start = rows[(table.fresh[rows] >= _RESTART) | (old_la == -np.inf)]
         if start.size:
             table.temp[start] = 0.0
             table.fresh[start] = np.float32(self.factor(self.interval))
@@ -273,8 +304,23 @@ class Temperature:
         # rows/s on numpy 2: faster than a full-length bincount even for
         # batches of a million (scripts/bench/sim_bench.py).
         np.add.at(table.temp, rows, c * np.float32(weight) if weight != 1.0 else c)
-        la[rows] = np.maximum(la[rows], now)
+        la[rows] = np.maximum(old_la, now)
         self._epoch_of(now)
+        if self.last_decay is None:
+            self._arm(table, rows, None)
+            return
+        # A block read before in this tick's window cannot end its run at the
+        # next tick (its silence starts after that tick's interval), so the
+        # tick may arm it instead: at most one arm per block a tick, where
+        # arming here costs one per read. Once the window has seen more
+        # reads than twice the table's blocks (a small table read many times
+        # a tick), the reads of blocks read before only mark them; below
+        # that, arming here keeps the tick's work to what is due.
+        self._window_reads += int(rows.size)
+        if self._window_reads > 2 * n:
+            again = old_la >= self.last_decay
+            table.check_at[rows[again]] = -np.inf
+            rows = rows[~again]
         self._arm(table, rows, self.last_decay)
 
     def add_region_hints(
