@@ -151,6 +151,23 @@ def _connect(path: str) -> socket.socket:
     return s
 
 
+def _backlogs(path: str, nconn: int, blob: bytes) -> list[socket.socket]:
+    """``nconn`` connections that each pipelined ``blob`` and read nothing,
+    returned once the daemon has begun reading every one of them."""
+    bads = []
+    for _ in range(nconn):
+        b = _connect(path)
+        b.setsockopt(socket.SOL_SOCKET, SO_SNDBUFFORCE, 8 << 20)
+        bads.append(b)
+    for b in bads:
+        b.sendall(blob)
+    deadline = time.monotonic() + DEADLINE
+    while any(_outq(b) == len(blob) for b in bads):
+        assert time.monotonic() < deadline, "the daemon never read the floods"
+        time.sleep(0.001)
+    return bads
+
+
 def _outq(s: socket.socket) -> int:
     """Bytes this socket sent that the peer has not read yet (SIOCOUTQ)."""
     return struct.unpack("i", fcntl.ioctl(s.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
@@ -218,17 +235,7 @@ def test_backlogged_connections_delay_another_request_by_one_turn_not_one_each(w
         good = _connect(d.sock)
         reader = protocol.FrameReader(1 << 30)
         raw_call(good, reader, {"op": "hello", "id": 1})
-        bads = []
-        for _ in range(nconn):
-            b = _connect(d.sock)
-            b.setsockopt(socket.SOL_SOCKET, SO_SNDBUFFORCE, 8 << 20)
-            bads.append(b)
-        for b in bads:
-            b.sendall(frame * flood)
-        deadline = time.monotonic() + DEADLINE
-        while any(_outq(b) == len(frame) * flood for b in bads):
-            assert time.monotonic() < deadline, "the daemon never read the floods"
-            time.sleep(0.001)
+        bads = _backlogs(d.sock, nconn, frame * flood)
 
         def answered() -> int:
             return raw_call(good, reader, {"op": "stats", "id": 2}).result["errors"].get("unregister:not_found", 0)
@@ -306,6 +313,53 @@ def protocol_addr(buf) -> int:
     from kvtier.client import buffer_address
 
     return buffer_address(buf)[0]
+
+
+def test_after_a_deferred_answer_the_next_request_is_not_queued_behind_every_backlog(workdir):
+    """Defect 2, fairness: an answer sent late (unregister waits for the
+    state file) left its connection in the run queue with nothing to do and
+    not reading, so its next request waited a turn of every backlogged
+    connection (robustness.py --trace: 17 and 141 ms behind the flood).
+    Two idle connections send a request at once right after one of them got
+    a deferred answer: both are answered within about a turn of each other,
+    counted in flood frames the daemon answered in between."""
+    import mmap
+
+    from kvtier.server import FRAMES_PER_TURN
+
+    d = DaemonProc(workdir, FLOOD_LIMITS).start()
+    buf = mmap.mmap(-1, 16 * 4096)
+    try:
+        nconn, flood = 10, 20_000
+        frame = protocol.frame(msgspec.msgpack.encode({"op": "unregister", "id": 7, "region": (1 << 31) - 1}))
+        g1, g2 = _connect(d.sock), _connect(d.sock)
+        r1, r2 = protocol.FrameReader(1 << 30), protocol.FrameReader(1 << 30)
+        raw_call(g2, r2, {"op": "hello", "id": 1})
+        bads = _backlogs(d.sock, nconn, frame * flood)
+        stats = protocol.frame(msgspec.msgpack.encode({"op": "stats", "id": 9}))
+        gaps = []
+        for i in range(10):
+            rid = raw_call(g1, r1, {"op": "register", "id": 2, "start": protocol_addr(buf),
+                                    "length": 16 * 4096, "block_size": 4096}).result["region"]
+            assert raw_call(g1, r1, {"op": "unregister", "id": 3, "region": rid}).ok  # answered late
+            g1.sendall(stats)
+            g2.sendall(stats)
+            a1 = raw_call(g1, r1, None).result["errors"].get("unregister:not_found", 0)
+            a2 = raw_call(g2, r2, None).result["errors"].get("unregister:not_found", 0)
+            gaps.append(a1 - a2)
+        left = raw_call(g2, r2, {"op": "stats", "id": 4}).result["errors"].get("unregister:not_found", 0)
+        assert left < nconn * flood, "the floods were over before the samples: nothing was measured"
+        median = sorted(gaps)[len(gaps) // 2]
+        assert median <= FRAMES_PER_TURN, (
+            f"after a deferred answer, a request waited a median of {median} flood frames more than one "
+            f"sent with it on another connection (turns of <= {FRAMES_PER_TURN}): {gaps}")
+        for b in bads:
+            b.close()
+        g1.close()
+        g2.close()
+    finally:
+        buf.close()
+        assert d.stop() == 0
 
 
 def test_unread_answers_stop_the_daemon_answering(workdir):
