@@ -211,38 +211,113 @@ STAGE_RESTARTS = 3
 
 
 class Stager:
-    """Large registrations, one at a time, a step of STAGE_ROWS rows per
-    loop iteration, run after that iteration's reads (a due timer, like the
-    server's run queue). The registering client's answer waits for its
-    region; nobody else waits more than one step."""
+    """Large registrations, a step of STAGE_ROWS rows per loop iteration,
+    run after that iteration's reads (a due timer, like the server's run
+    queue). The registering client's answer waits for its region; nobody
+    else waits more than one step.
 
-    def __init__(self, table: Any):
+    One registration is written at a time (the rows go past the table's used
+    part, where only one staging fits), and the next one is taken from the
+    uids in turn: a uid that queues many large registrations (one per
+    connection) delays another uid's by at most the one being written, not
+    by all of its own. A registration whose connection closed before it was
+    written is dropped (``forget``): no rows are written for a client that
+    is gone, and no region appears that nobody asked for any more. A
+    connection waiting for its answer reads nothing more (its EOF is not
+    seen), so ``hung_up(owner)`` asks the socket itself before each step."""
+
+    def __init__(self, table: Any, hung_up: Callable[[Any], bool] = lambda owner: False):
         self.table = table
-        self.queue: collections.deque = collections.deque()  # (staged or None, finish, future)
+        self.hung_up = hung_up
+        # uid -> its registrations in order: (owner, staged or None, finish, future)
+        self.queues: dict[int, collections.deque] = {}
+        self.turns: collections.deque[int] = collections.deque()  # uids with a queue, next first
+        self.current: tuple | None = None
         self._handle: asyncio.TimerHandle | None = None
 
-    def add(self, staged: Any, finish: Callable[[], Any]) -> asyncio.Future:
+    @property
+    def queue(self) -> list:
+        """Every registration not answered yet, the one being written first."""
+        return ([self.current] if self.current else []) + [e for q in self.queues.values() for e in q]
+
+    def add(self, staged: Any, finish: Callable[[], Any], owner: Any = None, uid: int = 0) -> asyncio.Future:
         """A future of ``finish()``'s result (or its error), run once
         ``staged``'s rows are written (None: nothing to write)."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self.queue.append((staged, finish, fut))
+        q = self.queues.get(uid)
+        if q is None:
+            q = self.queues[uid] = collections.deque()
+            self.turns.append(uid)
+        q.append((owner, staged, finish, fut))
         if self._handle is None:
             self._handle = loop.call_at(loop.time(), self._step)
         return fut
 
+    def forget(self, owner: Any) -> int:
+        """``owner``'s connection closed: drop its registrations not written
+        yet (the one being written too; its rows past the table's used part
+        are simply written over by the next)."""
+        n = 0
+        if self.current is not None and self.current[0] is owner:
+            self._drop(self.current)
+            self.current = None
+            n += 1
+        for uid in list(self.queues):
+            q = self.queues[uid]
+            keep = collections.deque(e for e in q if e[0] is not owner)
+            for e in q:
+                if e[0] is owner:
+                    self._drop(e)
+                    n += 1
+            if keep:
+                self.queues[uid] = keep
+            else:
+                del self.queues[uid]
+                self.turns.remove(uid)
+        return n
+
+    @staticmethod
+    def _drop(entry: tuple) -> None:
+        if not entry[3].done():
+            entry[3].set_exception(protocol.ProtocolError(
+                protocol.E_UNAVAILABLE, "the connection closed before the region's rows were written: "
+                "nothing was registered"))
+
+    def _next(self) -> tuple | None:
+        if self.current is not None and self.hung_up(self.current[0]):
+            self._drop(self.current)
+            self.current = None
+        while self.current is None and self.turns:
+            uid = self.turns.popleft()
+            q = self.queues[uid]
+            entry = q.popleft()
+            if q:
+                self.turns.append(uid)  # its next one after every other uid's
+            else:
+                del self.queues[uid]
+            if entry[3].done():
+                continue
+            if self.hung_up(entry[0]):
+                self._drop(entry)
+                continue
+            self.current = entry
+        return self.current
+
     def _step(self) -> None:
         self._handle = None
-        staged, finish, fut = self.queue[0]
-        try:
-            done = staged is None or staged.restarts >= STAGE_RESTARTS or self.table.fill(staged, STAGE_ROWS)
-            if done:
-                self.queue.popleft()
-                fut.set_result(finish())
-        except Exception as exc:  # the region's checks failed when it was added: the client is told
-            self.queue.popleft()
-            fut.set_exception(exc)
-        if self.queue:
+        entry = self._next()
+        if entry is not None:
+            _, staged, finish, fut = entry
+            try:
+                done = staged is None or staged.restarts >= STAGE_RESTARTS or self.table.fill(staged, STAGE_ROWS)
+                if done:
+                    self.current = None
+                    fut.set_result(finish())
+            except Exception as exc:  # the region's checks failed when it was added: the client is told
+                self.current = None
+                fut.set_exception(exc)
+        if self.current is not None or self.turns:
             loop = asyncio.get_running_loop()
             self._handle = loop.call_at(loop.time(), self._step)
 
@@ -250,9 +325,11 @@ class Stager:
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
-        for _, _, fut in self.queue:
+        for _, _, _, fut in self.queue:
             fut.cancel()
-        self.queue.clear()
+        self.queues.clear()
+        self.turns.clear()
+        self.current = None
 
 
 class ControlAPI:
@@ -267,13 +344,14 @@ class ControlAPI:
         self.max_message_bytes = max_message_bytes
         self.version = version
         self._pushers: dict[Peer, Callable[[str, dict], None]] = {}
+        self._hangups: dict[Peer, Callable[[], bool]] = {}
         # Set by the composition root: a future done once the current
         # registry is in the state file (None: no state file).
         self.durable: Callable[[], "asyncio.Future | None"] = lambda: None
         self._handlers: dict[type, Callable[[Peer, Any], Any]] = {
             t: getattr(self, "op_" + op) for op, t in protocol.OPS.items()
         }
-        self.stager = Stager(registry.table)
+        self.stager = Stager(registry.table, lambda peer: peer in self._hangups and self._hangups[peer]())
 
     def handle(self, peer: Peer, req: protocol.Request) -> Any:
         return self._handlers[type(req)](peer, req)
@@ -361,8 +439,8 @@ class ControlAPI:
             staged = self.registry.stage(pid, req.start, req.length, req.block_size, tenant=req.tenant,
                                          priority=req.priority, constraints=tuple(dict.fromkeys(req.constraints)),
                                          start_time=start_time)
-        return AfterWrite(self.stager.add(staged, lambda: self._add_registered(peer, pid, start_time, req, staged)),
-                          None)
+        return AfterWrite(self.stager.add(staged, lambda: self._add_registered(peer, pid, start_time, req, staged),
+                                          peer, peer.uid), None)
 
     def _add_registered(self, peer: Peer, pid: int, start_time: int, req: protocol.Register, staged) -> dict:
         same = self._same_region(peer, pid, start_time, req)
@@ -409,12 +487,19 @@ class ControlAPI:
 
     # -- engine-mode regions (kvtier.engine_moves) -----------------------
 
-    def connected(self, peer: Peer, push: Callable[[str, dict], None]) -> None:
-        """The transport can send ``peer`` unasked frames through ``push``."""
+    def connected(self, peer: Peer, push: Callable[[str, dict], None],
+                  hung_up: Callable[[], bool] | None = None) -> None:
+        """The transport can send ``peer`` unasked frames through ``push``,
+        and ``hung_up()`` says whether the client closed its end (its EOF may
+        not have been read yet)."""
         self._pushers[peer] = push
+        if hung_up is not None:
+            self._hangups[peer] = hung_up
 
     def disconnected(self, peer: Peer) -> None:
         self._pushers.pop(peer, None)
+        self._hangups.pop(peer, None)
+        self.stager.forget(peer)
         self.engine.engine_moves.detach(peer)
 
     def _engine_tiers(self, packed: bytes, nblocks: int) -> np.ndarray:
@@ -767,12 +852,25 @@ class Connection(asyncio.Protocol):
             self._fail(protocol.ProtocolError(protocol.E_LIMIT, refuse, fatal=True))
             return
         transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
-        self.server.api.connected(self.peer, self._push)
+        self.server.api.connected(self.peer, self._push, self._hung_up)
 
     def _push(self, name: str, body: dict) -> None:
         """An unasked frame (an engine-mode move request) to this client."""
         if not self.closing:
             self._write([protocol.event(name, body)])
+
+    def _hung_up(self) -> bool:
+        """The client closed the connection (POLLHUP: both directions are
+        shut; a client that only shut down its writing still waits for its
+        answers), told by the socket even while we read nothing."""
+        if self.closing or self.transport is None:
+            return True
+        sock = self.transport.get_extra_info("socket")
+        if sock is None or sock.fileno() < 0:
+            return True
+        p = select.poll()
+        p.register(sock.fileno(), select.POLLHUP)
+        return any(ev & select.POLLHUP for _, ev in p.poll(0))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closing = True
