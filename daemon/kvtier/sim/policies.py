@@ -282,6 +282,12 @@ class Kvtier(SimPolicy):
         # The daemon's order: the hints of a tick add up as they arrive, and
         # the tick then decays them all, the latest too, before it plans.
         self.temp.add(self.table, rows, counts, now, SOURCE_WEIGHTS["hint"])
+        if len(rows):
+            # A block's last access is its last read of the tick, as the
+            # daemon's is its last hint's arrival: when its run ends depends
+            # on it. Its silence is tested again with the decay.
+            self.table.last_access[rows] = np.where(np.isfinite(times), times, now)
+            self.temp.recheck(self.table, rows)
         self.temp.decay(self.table, now)
         self.table.tier[:] = self.eng.tier  # implicit moves (swap-in) are the engine's
 
