@@ -189,7 +189,7 @@ class Kvtierd:
 
     DRAM_TARGET = 96 * MiB
 
-    def __init__(self, log_level: str = "info"):
+    def __init__(self, log_level: str = "info", overrides: tuple[str, ...] = ()):
         from kvtier.kernel import topology
 
         self.dir = Path(tempfile.mkdtemp(prefix="kvtier-cmp-"))
@@ -209,7 +209,8 @@ class Kvtierd:
             f"[topology]\ntiers = [{order}]\n"
         )
         self.log = open(self.dir / "kvtierd.log", "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", "-c", str(conf)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", "-c", str(conf),
+                                      *(a for kv in overrides for a in ("-s", kv))],
                                      stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60 * speed.current()
         while not self.sock.exists():
@@ -249,6 +250,7 @@ class Kvtierd:
 
 log_dir: Path | None = None  # (guest) where each kvtierd's whole log is written: the share
 py_spy = False  # (guest) --py-spy: profile each kvtierd into log_dir
+daemon_set: tuple[str, ...] = ()  # (guest) --daemon-set: config overrides for every kvtierd
 
 
 def _noop(ids) -> None:
@@ -288,7 +290,7 @@ def run_mode(mode: str, seconds: float, log_level: str = "info", sample_s: float
         if mode.startswith("kvtier"):
             from kvtier.client import Client
 
-            daemon = Kvtierd(log_level)
+            daemon = Kvtierd(log_level, daemon_set)
             registering = time.time()
             if py_spy and log_dir is not None:
                 daemon.spy(log_dir / f"kvtierd-{mode}.pyspy.txt")
@@ -433,9 +435,10 @@ def run_mode(mode: str, seconds: float, log_level: str = "info", sample_s: float
 def guest_main(args) -> None:
     out = {"kernel": os.uname().release, "seconds": args.seconds, "pool_mib": POOL // MiB,
            "hot_mib": HOT_BLOCKS * BLOCK // MiB, "modes": []}
-    global log_dir, py_spy
+    global log_dir, py_spy, daemon_set
     log_dir = Path(args.out).parent
     py_spy = args.py_spy
+    daemon_set = tuple(args.daemon_set)
     for mode in args.modes:
         out["modes"].append(run_mode(mode, args.seconds, args.daemon_log_level, args.sample_s))
         print(f"{mode}: done", flush=True)
@@ -501,7 +504,8 @@ def host_main(args) -> None:
     res = guestjob.run(Path(__file__).resolve(), ["--seconds", str(args.seconds), "--modes", *args.modes,
                                                   "--daemon-log-level", args.daemon_log_level,
                                                   "--sample-s", str(args.sample_s),
-                                                  *(["--py-spy"] if args.py_spy else [])],
+                                                  *(["--py-spy"] if args.py_spy else []),
+                                                  *(a for kv in args.daemon_set for a in ("--daemon-set", kv))],
                        "tiering.json", timeout=120 + len(args.modes) * (args.seconds + 60), save=args.json)
     print(f"kernel {res['kernel']}, pool {res['pool_mib']} MiB on node 1 at start, hot set {res['hot_mib']} MiB, "
           f"{res['seconds']} s per mode, hot set moves at half time")
@@ -518,6 +522,8 @@ def main() -> None:
                     help="seconds between samples of the hot set's placement (the pool's: about every second)")
     ap.add_argument("--daemon-log-level", default="info", choices=("debug", "info", "warning"),
                     help="kvtierd's log level (debug: its job and plan events, to see where a phase's time goes)")
+    ap.add_argument("--daemon-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a kvtierd config override for the kvtier modes (kvtierd -s), repeatable")
     ap.add_argument("--py-spy", action="store_true",
                     help="profile each kvtierd with py-spy (collapsed stacks in the guest share)")
     guestjob.add_args(ap)
