@@ -38,7 +38,11 @@ recording reader understands:
 Bounded: the current file is ``kvtier.csv``; past ``max_bytes`` it becomes
 ``kvtier.csv.1`` (older ones shift to .2, ...; ``files`` are kept) and the
 new file starts with ``alloc`` lines of every live block, so each file
-replays on its own. Writes are buffered on the loop thread, one
+replays on its own. A file rotates once it holds ``max_bytes`` and at least
+as much that is new as that opening repeat: with more live blocks than
+``max_bytes`` of lines (a user may register millions) each rotation still
+costs no more than the records it follows, and the disk used stays within
+``files`` x max(max_bytes, twice the live blocks' lines). Writes are buffered on the loop thread, one
 ``np.savetxt`` per batch (a hint message, a job's results).
 """
 
@@ -91,6 +95,8 @@ class Recorder:
             self._config = self._config_text(*in_force)  # the first file starts with them
         os.makedirs(directory, exist_ok=True)
         self._f: io.TextIOWrapper | None = None
+        self._opening = False  # _open's own writes never rotate (the repeat would recurse)
+        self._base = 0  # bytes of the current file when its opening repeat was written
         if os.path.exists(self.path) and os.path.getsize(self.path):
             self._shift()  # a new daemon run starts a new file (its clock starts at 0 again)
         self._open()
@@ -105,6 +111,14 @@ class Recorder:
         return self.clock() - self.t0
 
     def _open(self) -> None:
+        self._opening = True
+        try:
+            self._open_file()
+        finally:
+            self._opening = False
+        self._base = self._f.tell() if self._f is not None else 0
+
+    def _open_file(self) -> None:
         # The most common block size among live blocks (a header the plain
         # trace reader needs; a replay of mixed sizes reads nbytes per alloc).
         sizes, counts = np.unique(self.table.nbytes, return_counts=True)
@@ -148,8 +162,10 @@ class Recorder:
             return
         try:
             self._f.write(text)
-            if self._f.tell() >= self.max_bytes:
-                self._rotate()
+            if not self._opening:
+                at = self._f.tell()
+                if at >= self.max_bytes and at - self._base >= self._base:
+                    self._rotate()
         except OSError as e:
             # A full disk must not stop the daemon; recording stops instead.
             self.errors_total += 1

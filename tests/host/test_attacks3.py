@@ -8,6 +8,7 @@ fails (the commit that added it says how).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import msgspec
@@ -16,7 +17,7 @@ import pytest
 from kvtier import protocol
 
 from test_attacks import _connect, protocol_addr, raw_call
-from test_daemon import DEADLINE, DROP, NOBODY, DaemonProc, PY, wait_for, workdir  # noqa: F401  (fixtures)
+from test_daemon import DEADLINE, DROP, NOBODY, ChildClient, DaemonProc, PY, wait_for, workdir  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.root
 
@@ -113,3 +114,35 @@ def test_staged_registers_of_closed_connections_are_dropped_and_uids_take_turns(
         mine.close()
         assert d.stop() == 0
         assert "Traceback" not in d.read_log(), d.read_log()
+
+
+def test_a_region_larger_than_the_recording_file_keeps_the_recorder_bounded(workdir):
+    """With [record] on, each new file repeats every live block. Before the
+    fix, once those lines alone exceeded record.max_bytes the repeat itself
+    rotated the file, which repeated them again: a nobody's register of
+    4,096 blocks (16 MiB of untouched memory) hit RecursionError inside the
+    registry (internal_error, a Traceback in the log, the region half added).
+    Now a file rotates only when it also holds as much new as repeated:
+    every request answers, and the files stay few and bounded."""
+    rec = os.path.join(workdir, "rec")
+    d = DaemonProc(workdir, f'[record]\nenabled = true\ndir = "{rec}"\nmax_bytes = 4096\nfiles = 3\n').start()
+    try:
+        with ChildClient(d.sock, size=16 << 20, block_size=4096, user=NOBODY) as child:
+            r = child("register")
+            assert "error" not in r, r
+            for i in range(20):
+                assert child("hint", blocks=list(range(i * 200, i * 200 + 200)))["errors"] == []
+            assert len(child("query")["tiers"]) == 4096
+            assert child("unregister") == {"ok": True}
+        st = _status(d.sock)
+        assert st["regions"] == 0 and st["blocks"] == 0, st
+        names = sorted(os.listdir(rec))
+        assert names == ["kvtier.csv", "kvtier.csv.1", "kvtier.csv.2"][:len(names)], names
+        sizes = [os.path.getsize(os.path.join(rec, n)) for n in names]
+        # 4,096 live blocks are ~0.3 MB of lines: a file holds at most about
+        # twice that (the repeat and as much new), not one rotation per write.
+        assert max(sizes) < 2 << 20, sizes
+    finally:
+        assert d.stop() == 0
+        log = d.read_log()
+        assert "Traceback" not in log and "internal error" not in log, log[-3000:]
