@@ -173,12 +173,11 @@ class Temperature:
         temp(t) <= temp, not before D1 = last_access + window *
         expm1(end_of_run / temp). Each of ``rounds`` refinements uses that
         temp(t) <= temp * exp(-(D1 - t0) / tau) after D1 for a later D2,
-        and so on. A read arms with D1 alone (it is on every hint's path: a
-        few float64 passes per hinted row); the tick's silence test refines
-        the rows it looked at (three rounds: a block read about once a
-        second is then not looked at again until its next read). A bound,
-        not the answer: at that time ``_silence`` runs the exact test and
-        arms again.
+        and so on (three rounds: a block read about once a second is then
+        not looked at again until its next read, where D1 alone had the
+        tick test 3 % of a table read that way, every tick). A bound, not
+        the answer: at that time ``_silence`` runs the exact test and arms
+        again.
 
         Rounding: a float32 decay can leave a temperature up to 2**-23 per
         tick above the exact exponential; the rounds allow 1 % for it, i.e.
@@ -321,7 +320,7 @@ class Temperature:
             again = old_la >= self.last_decay
             table.check_at[rows[again]] = -np.inf
             rows = rows[~again]
-        self._arm(table, rows, self.last_decay)
+        self._arm(table, rows, self.last_decay, rounds=3)
 
     def add_region_hints(
         self,
