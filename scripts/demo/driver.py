@@ -15,9 +15,10 @@ runs once per mode, one after the other, each result in DIR/<mode>/:
 
 DRAM is really scarce in every mode, not only as kvtier's target: once the
 workload has set up its pool (on the start node), the driver takes all of
-node 0's free memory but ``--dram-mib`` plus ``--slack-mib`` into a locked,
-node-0-bound allocation, so the kernel's own tiering, and the first touch
-of new blocks in every mode, face the same room as kvtier.
+node 0's free memory but ``--dram-mib`` plus ``--slack-mib`` (the kernel's
+reserve) into a locked, node-0-bound allocation, so the kernel's own
+tiering, and the first touch of new blocks in every mode, face the same
+room as kvtier (its DRAM target is ``--dram-mib``).
 
 1. Writes the demo's kvtierd config: the defaults, plus per-tier capacity
    targets so that a 256 MiB KV pool does not simply fit in DRAM (the guest
@@ -155,6 +156,19 @@ def node_free_bytes(node: int) -> int:
     raise RuntimeError(f"node {node}: no MemFree in meminfo")
 
 
+def node_reserve_bytes(node: int, zoneinfo: str = "/proc/zoneinfo") -> int:
+    """The node's high watermarks summed over its zones: memory kswapd keeps
+    free, which the pool cannot have in any mode (0 if not found)."""
+    pages, here = 0, False
+    for line in Path(zoneinfo).read_text().splitlines():
+        f = line.split()
+        if line.startswith("Node "):
+            here = f[1].rstrip(",") == str(node)
+        elif here and len(f) == 2 and f[0] == "high":
+            pages += int(f[1])
+    return pages * mmap.PAGESIZE
+
+
 class DramHog:
     """Locked memory bound to one node: leaves exactly ``keep`` bytes free
     there, so every mode competes for the same scarce DRAM. Locked pages are
@@ -230,10 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default=",".join(MODES),
                     help=f"comma list of {', '.join(MODES)}, run in this order (kvtier first gives the "
                          "baselines the daemon's tier list)")
-    ap.add_argument("--slack-mib", type=int, default=24,
-                    help="node-0 memory left free beyond --dram-mib once the workload is set up (the kernel's "
-                         "watermarks, the daemon's growth): the pool's first-touch allocations get no more DRAM "
-                         "than kvtier's target in any mode")
+    ap.add_argument("--slack-mib", type=int,
+                    help="node-0 memory left free beyond --dram-mib once the workload is set up (default: the "
+                         "node's high watermarks, which no allocation may use, plus 4 MiB for the processes): "
+                         "the pool's first-touch allocations get about kvtier's target in every mode")
     ap.add_argument("workload_args", nargs="*", help="extra arguments for workload.py (after --)")
     a = ap.parse_args(argv)
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
@@ -348,6 +362,7 @@ def run_mode(plan: Plan, mode: str, out: Path) -> int:
         tiers = plan.tiers or fallback_tiers(plan)
         (out / "tiers.json").write_text(json.dumps(tiers))
         dram_node = tiers[0]["nodes"][0]
+        slack = a.slack_mib * MIB if a.slack_mib is not None else node_reserve_bytes(dram_node) + 4 * MIB
         cmd = [sys.executable, "-u", str(HERE / "workload.py"),
                "--timeline", str(out / "timeline.jsonl"), "--summary", str(out / "summary.json"),
                "--duration", str(a.duration), "--pool-mib", str(a.pool_mib),
@@ -362,7 +377,7 @@ def run_mode(plan: Plan, mode: str, out: Path) -> int:
                 # node) are in place: only now is node 0 cut down to the DRAM
                 # the run may use, so the pool gets the same DRAM in every
                 # mode (first-touch placement of new blocks included).
-                hog = DramHog(dram_node, (a.dram_mib + a.slack_mib) * MIB)
+                hog = DramHog(dram_node, a.dram_mib * MIB + slack)
                 tee.line(f"demo[{mode}]: {a.pool_mib} MiB KV pool starts on node {plan.start_node} "
                          f"({plan.start_name}); node {dram_node} has {node_free_bytes(dram_node) // MIB} MiB free "
                          f"(DRAM target {a.dram_mib} MiB); numa_balancing={MODE_NUMA_BALANCING[mode]}; "
@@ -381,7 +396,7 @@ def run_mode(plan: Plan, mode: str, out: Path) -> int:
                 tee.line(f"demo: could not save the final metrics scrape: {e}")
         meta = {"mode": mode, "tiers": tiers, "budgets": {str(k): v for k, v in plan.budgets.items()},
                 "slow_nodes": plan.slow_nodes, "duration_s": a.duration, "pool_mib": a.pool_mib,
-                "dram_free_mib": a.dram_mib + a.slack_mib, "numa_balancing": MODE_NUMA_BALANCING[mode],
+                "dram_free_mib": (a.dram_mib * MIB + slack) // MIB, "numa_balancing": MODE_NUMA_BALANCING[mode],
                 "in_vm": plan.in_vm, "workload_rc": rc}
         (out / "run.json").write_text(json.dumps(meta, indent=1))
     finally:
