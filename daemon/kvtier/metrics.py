@@ -428,6 +428,7 @@ class Collector:
                              ("unregistered", s.regions_unregistered_total),
                              ("dropped_exit", s.regions_dropped_exit_total),
                              ("dropped_unmapped", s.regions_dropped_unmapped_total),
+                             ("dropped_uid", s.regions_dropped_uid_total),
                              ("adopted", s.regions_adopted_total), ("stale", s.regions_stale_total)):
             ev.add_metric([event], value)
         yield ev

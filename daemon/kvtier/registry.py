@@ -97,6 +97,10 @@ class ProcessChecker(Protocol):
 
     def alive(self, pid: int, start_time: int | None) -> bool: ...
 
+    def uids(self, pid: int) -> tuple[int, int]:
+        """(real, effective) uid of the process now."""
+        ...
+
     def mapped_blocks(self, pid: int, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """Per block, whether its whole range is mapped (by any mapping)."""
         ...
@@ -184,6 +188,10 @@ class Registry:
         self.regions: dict[int, Region] = {}
         self.by_pid: dict[int, set[int]] = {}
         self.pid_start: dict[int, int] = {}
+        # (real, effective) uid of each process when its first region was
+        # added: exec of a setuid program keeps pid and start time, so this
+        # is what tells that its memory is no longer its owner's.
+        self.pid_uids: dict[int, tuple[int, int]] = {}
         self.tenants: dict[str, int] = {"": 0}
         self.next_id = 1
         self.generation = 0  # bumped whenever table rows shift (region added/removed)
@@ -264,6 +272,8 @@ class Registry:
         self.drop_reasons.pop(region_id, None)
         if self.recorder is not None:
             self.recorder.region_added(region_id)
+        if pid not in self.by_pid:
+            self.pid_uids[pid] = self.processes.uids(pid)
         self.by_pid.setdefault(pid, set()).add(region_id)
         self.pid_start[pid] = live_start
         self.stats.regions_registered_total += 1
@@ -413,6 +423,7 @@ class Registry:
         if not ids:
             del self.by_pid[reg.pid]
             self.pid_start.pop(reg.pid, None)
+            self.pid_uids.pop(reg.pid, None)
             if self.watcher is not None:
                 self.watcher.unwatch(reg.pid)
         self.stats.regions_unregistered_total += 1
@@ -578,4 +589,38 @@ class Registry:
             pid for pid, st in self.pid_start.items()
             if not self.processes.alive(pid, st)
         ]
-        return sum(self.drop_pid(pid) for pid in gone)
+        return sum(self.drop_pid(pid) for pid in gone) + self.check_uids()
+
+    def check_uids(self) -> int:
+        """Drop the regions of unprivileged owners in processes whose uids
+        changed since they were registered (exec of a setuid program keeps
+        the pid and start time, and so the region; setuid()), unless the
+        process now runs as the owner: the owner must not go on moving,
+        pinning or hinting memory of a process that is no longer its own.
+        Root's regions stay (root may register any process's memory)."""
+        dropped = 0
+        for pid, was in list(self.pid_uids.items()):
+            ids = [rid for rid in self.by_pid.get(pid, ()) if self.regions[rid].owner_uid != 0]
+            if not ids:
+                continue
+            try:
+                now = self.processes.uids(pid)
+            except (KvtierError, OSError):
+                continue  # gone: the pidfd (or the next check_alive) drops it
+            if now == was:
+                continue
+            for rid in ids:
+                reg = self.regions[rid]
+                if now == (reg.owner_uid, reg.owner_uid):
+                    continue
+                self.remove(rid)
+                self.stats.regions_dropped_uid_total += 1
+                self._dropped(reg, f"its process {pid} now runs as uid {now[0]}/{now[1]} (was {was[0]}/{was[1]}: "
+                                   "exec of a setuid program or setuid()), not as its owner uid "
+                                   f"{reg.owner_uid}")
+                logs.event(log, "region_dropped", logging.WARNING, region=rid, pid=pid, name=reg.name,
+                           reason="process uid changed", uid=now[0], euid=now[1], owner_uid=reg.owner_uid)
+                dropped += 1
+            if pid in self.pid_uids:
+                self.pid_uids[pid] = now
+        return dropped

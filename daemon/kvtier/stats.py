@@ -81,6 +81,7 @@ class DaemonStats:
     regions_unregistered_total: int = 0
     regions_dropped_exit_total: int = 0  # owner process exited (pidfd)
     regions_dropped_unmapped_total: int = 0  # memory no longer mapped (freed under the daemon)
+    regions_dropped_uid_total: int = 0  # process now runs as another uid (exec of a setuid program)
     blocks_unmapped: int = 0  # blocks of live regions whose memory is gone
     blocks_placement_lost: int = 0  # allocated blocks the kernel moved out of their placement
     regions_adopted_total: int = 0  # re-adopted from the state file at start

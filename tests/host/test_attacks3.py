@@ -146,3 +146,116 @@ def test_a_region_larger_than_the_recording_file_keeps_the_recorder_bounded(work
         assert d.stop() == 0
         log = d.read_log()
         assert "Traceback" not in log and "internal error" not in log, log[-3000:]
+
+
+# As nobody: maps anonymous memory at [argv[3], argv[4]) (where the setuid
+# program's non-PIE image will be loaded), registers it, says so, then on
+# "go" execs ``argv[2:]`` (cpp, setuid root, reading its stdin): same pid,
+# same start time, euid 0, and the registered range now holds root's image.
+SETUID_EXEC = DROP + r"""
+import ctypes, json, mmap, sys
+from kvtier.client import Client
+sock_path, lo, hi, argv = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
+drop(65534, 65534)
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+MAP_FIXED_NOREPLACE = 0x100000
+addr = libc.mmap(lo, hi - lo, 3, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0)
+assert addr == lo, (addr, ctypes.get_errno())
+ctypes.memset(lo, 1, hi - lo)
+c = Client(sock_path)
+r = c.register(addr=lo, length=hi - lo, block_size=4096, name="then-setuid")
+print(json.dumps({"region": r.id, "pid": os.getpid()}), flush=True)
+sys.stdin.readline()
+os.execv(argv[0], argv)
+"""
+
+OWNER_PIN = DROP + r"""
+import json, sys
+from kvtier import protocol
+from kvtier.client import Client
+drop(65534, 65534)
+c = Client(sys.argv[1])
+try:
+    c.call(protocol.Pin(region=int(sys.argv[2])))
+    print(json.dumps({"pin": "ok"}))
+except Exception as e:
+    print(json.dumps({"pin": getattr(e, "code", type(e).__name__), "message": str(e)}))
+"""
+
+
+def _image_range(argv: list[str]) -> tuple[int, int]:
+    """Where the non-PIE ``argv[0]`` maps its file (the same every run)."""
+    prog = argv[0]
+    p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    try:
+        def maps():
+            with open(f"/proc/{p.pid}/maps") as f:
+                spans = [[int(x, 16) for x in ln.split()[0].split("-")] for ln in f if ln.rstrip().endswith(prog)]
+            return spans or None
+        spans = wait_for(maps, f"{prog} to be loaded")
+    finally:
+        p.kill()
+        p.stdin.close()  # cc1, its child, reads the same pipe: EOF ends it
+        p.wait()
+    return min(a for a, _ in spans), max(b for _, b in spans)
+
+
+def test_a_region_of_a_process_that_execs_a_setuid_program_is_dropped(workdir):
+    """exec keeps the pid and the start time, so a nobody's region stayed
+    registered over its process after it exec'd a setuid-root program
+    (ruid 65534, euid 0). Where the new image's pages fall inside the old
+    range (here cpp's non-PIE image, mapped where nobody had registered
+    memory) the region was never dropped as unmapped, and nobody went on
+    pinning (and could move and hint) root's pages for as long as it ran.
+    Now a region whose process runs as another uid than its unprivileged
+    owner is dropped within a tick, and not_found says why."""
+    import shutil
+
+    d = DaemonProc(workdir).start()
+    bindir = os.path.join("/var/tmp", f"kvtier-setuid-{os.getpid()}")  # /var/tmp: not nosuid
+    os.makedirs(bindir, mode=0o755, exist_ok=True)
+    import glob
+
+    cc1 = sorted(glob.glob("/usr/lib/gcc/*/*/cc1"))
+    assert cc1, "needs gcc's cpp and cc1 (a non-PIE program that keeps euid 0 and waits on stdin)"
+    prog = os.path.join(bindir, "cpp")
+    # Debian's cpp is non-PIE: its image lands at a fixed address
+    shutil.copy(os.path.realpath(shutil.which("cpp")), prog)
+    argv = [prog, "-B" + os.path.dirname(cc1[-1]) + "/", "-"]
+    os.chown(prog, 0, 0)
+    os.chmod(prog, 0o4755)
+    p = None
+    try:
+        lo, hi = _image_range(argv)
+        p = subprocess.Popen([PY, "-c", SETUID_EXEC, d.sock, str(lo), str(hi), *argv], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+        r = json.loads(p.stdout.readline())
+        p.stdin.write("go\n")
+        p.stdin.flush()
+
+        def setuid_running():
+            with open(f"/proc/{r['pid']}/status") as f:
+                uid = next(ln for ln in f if ln.startswith("Uid:")).split()
+            return uid[1:3] == ["65534", "0"]
+
+        wait_for(setuid_running, "the setuid exec")
+
+        def owner_pin() -> dict | None:
+            out = subprocess.run([PY, "-c", OWNER_PIN, d.sock, str(r["region"])], capture_output=True,
+                                 text=True, timeout=DEADLINE)
+            got = json.loads(out.stdout)
+            return None if got["pin"] == "ok" else got
+
+        got = wait_for(owner_pin, "nobody's pin on a region of a root process to be refused")
+        assert got["pin"] == "not_found" and "setuid" in got["message"], got
+        assert _status(d.sock)["regions"] == 0
+    finally:
+        if p is not None:
+            p.kill()
+            p.stdin.close()
+            p.wait()
+        shutil.rmtree(bindir, ignore_errors=True)
+        assert d.stop() == 0
+        assert "Traceback" not in d.read_log(), d.read_log()

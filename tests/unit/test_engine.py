@@ -200,6 +200,9 @@ class FakeProcesses:
     def alive(self, pid, start_time):
         return True
 
+    def uids(self, pid):
+        return (0, 0)
+
 
 class FakeSource:
     """A hotness source that returns what the test queued (rows as at set_targets)."""

@@ -195,3 +195,6 @@ class ProcProcesses:
 
     def mapped_blocks(self, pid: int, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         return mapped_blocks(pid, starts, lengths, self.proc_root)
+
+    def uids(self, pid: int) -> tuple[int, int]:
+        return procfs.read_uids(pid, self.proc_root)
