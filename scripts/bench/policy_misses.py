@@ -1,0 +1,134 @@
+#!/usr/bin/env python3
+"""Where a policy's slow-tier reads come from, on one cell of the policy grid
+(scripts/bench/policy_real_traces.py): the oracle-gap diagnosis.
+
+Every read served from a slower tier is put in one class, by the block's
+history since its run started (its allocation, or the tick a request took
+it from the prefix cache, phase ``active``):
+
+- ``new``: allocated in this tick and placed on a slower tier (DRAM full);
+- ``taken``: a cached block in the tick a request takes it (no policy that
+  acts between ticks can have moved it for these reads, unless it knew);
+- ``demoted``: demoted since its run started, read again;
+- ``landed``: allocated earlier on a slower tier, not promoted since;
+- ``taken-later``: taken earlier from the cache while on a slower tier, not promoted since.
+
+Each is a share of all reads; the DRAM hit ratio is 1 minus their sum. Also
+promotions, and those of blocks demoted within the minute before (ping-pong).
+
+    .venv/bin/python scripts/bench/policy_misses.py --trace synthetic --model llama-3-8b --frac 0.1 --requests 1500
+    .venv/bin/python scripts/bench/policy_misses.py --preset chat --policies kvtier,lru
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from kvtier.sim.cli import peak_live_bytes
+from kvtier.sim.gen import generate
+from kvtier.sim.model import GIB, SimConfig
+from kvtier.sim.oracles import FeasibleOracle
+from kvtier.sim.policies import POLICIES
+from kvtier.sim.requests import RequestTrace
+from kvtier.sim.runner import simulate
+
+from policy_real_traces import PRESET_DRAM_FRAC, TRACES
+
+PINGPONG_S = 60
+CLASSES = ("new", "taken", "demoted", "landed", "taken-later")
+
+
+def instrumented(pol):
+    """The policy, its hooks wrapped to classify the reads the engine serves."""
+    cls = type(pol)
+
+    class Counted(cls):
+        def attach(self, eng):
+            super().attach(eng)
+            n = eng.n
+            self.born = np.full(n, -1)
+            self.taken = np.full(n, -(10 ** 9))
+            self.demoted = np.full(n, -(10 ** 9))
+            self.slow_now = np.zeros(n)
+            self.c = dict.fromkeys(CLASSES, 0.0)
+            self.total = 0.0
+            self.promos = self.pingpong = 0
+
+        def place(self, rows):
+            d = super().place(rows)
+            self.born[rows] = self.eng.k
+            return d
+
+        def observe(self, rows, counts, times, now):
+            k = self.eng.k
+            if rows.size:
+                slow = self.eng.tier[rows] > 0
+                self.total += float(counts.sum())
+                r, c = rows[slow], counts[slow]
+                self.slow_now[:] = 0.0
+                self.slow_now[r] = c
+                new = self.born[r] == k
+                start = np.maximum(self.born[r], self.taken[r])
+                dem = ~new & (self.demoted[r] >= start)
+                landed = ~new & ~dem & (self.born[r] >= self.taken[r])
+                self.c["new"] += float(c[new].sum())
+                self.c["demoted"] += float(c[dem].sum())
+                self.c["landed"] += float(c[landed].sum())
+                self.c["taken-later"] += float(c[~new & ~dem & ~landed].sum())
+            super().observe(rows, counts, times, now)
+
+        def lifecycle(self, acquired, released, now):
+            super().lifecycle(acquired, released, now)
+            # the lifecycle of a tick comes after its reads: reads of a block
+            # taken in this tick were counted as "taken-later" above
+            x = float(self.slow_now[acquired].sum())
+            self.c["taken"] += x
+            self.c["taken-later"] -= x
+            self.taken[acquired] = self.eng.k
+
+        def moved(self, rows, dst, ok, now):
+            super().moved(rows, dst, ok, now)
+            k = self.eng.k
+            r, d = np.asarray(rows)[ok], np.asarray(dst)[ok]
+            up = r[d == 0]
+            self.promos += int(up.size)
+            self.pingpong += int((self.demoted[up] >= k - PINGPONG_S / self.eng.tick_s).sum())
+            self.demoted[r[d > 0]] = k
+
+    Counted.name = cls.name
+    pol.__class__ = Counted
+    return pol
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", choices=sorted(TRACES))
+    ap.add_argument("--preset", choices=("chat", "rag", "bursty"))
+    ap.add_argument("--model", default="llama-3-8b")
+    ap.add_argument("--frac", type=float, default=0.25, help="DRAM share of the footprint (request traces)")
+    ap.add_argument("--requests", type=int, help="only the first N requests")
+    ap.add_argument("--policies", default="kvtier,lru,feasible-oracle")
+    args = ap.parse_args()
+    if args.preset:
+        src = generate(args.preset)
+        peak = peak_live_bytes(src) / GIB
+        cfg = SimConfig().with_capacities([peak * PRESET_DRAM_FRAC, peak * 4.0])
+    else:
+        src = RequestTrace(TRACES[args.trace or "conversation"], model=args.model, limit=args.requests)
+        dram = int(src.footprint_blocks * args.frac)
+        cfg = SimConfig().with_capacities([dram * src.block_bytes / GIB, (src.nblocks - dram) * src.block_bytes / GIB])
+    print("| policy | DRAM hit | " + " | ".join(CLASSES) + " | GiB moved | promotions | of them ping-pong |")
+    print("|---" * 10 + "|")
+    for name in args.policies.split(","):
+        p = instrumented(FeasibleOracle() if name == "feasible-oracle" else POLICIES[name]())
+        r = simulate(src, cfg, p)
+        tot = p.total or 1.0
+        shares = " | ".join(f"{p.c[k] / tot:.4f}" for k in CLASSES)
+        print(f"| {name} | {r.fast_hit:.4f} | {shares} | {sum(r.migrated_bytes.values()) / GIB:,.0f} | "
+              f"{p.promos:,} | {p.pingpong:,} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
