@@ -52,7 +52,8 @@ def instrumented(pol):
             self.taken = np.full(n, -(10 ** 9))
             self.demoted = np.full(n, -(10 ** 9))
             self.slow_now = np.zeros(n)
-            self.c = dict.fromkeys(CLASSES, 0.0)
+            self.slow_cls = np.zeros(n, np.int64)
+            self.by = np.zeros(len(CLASSES))  # reads per class, in CLASSES order
             self.total = 0.0
             self.promos = self.pingpong = 0
 
@@ -67,25 +68,25 @@ def instrumented(pol):
                 slow = self.eng.tier[rows] > 0
                 self.total += float(counts.sum())
                 r, c = rows[slow], counts[slow]
-                self.slow_now[:] = 0.0
-                self.slow_now[r] = c
                 new = self.born[r] == k
                 start = np.maximum(self.born[r], self.taken[r])
                 dem = ~new & (self.demoted[r] >= start)
                 landed = ~new & ~dem & (self.born[r] >= self.taken[r])
-                self.c["new"] += float(c[new].sum())
-                self.c["demoted"] += float(c[dem].sum())
-                self.c["landed"] += float(c[landed].sum())
-                self.c["taken-later"] += float(c[~new & ~dem & ~landed].sum())
+                cls = np.select([new, dem, landed], [0, 2, 3], 4)
+                self.slow_now[:] = 0.0
+                self.slow_now[r] = c
+                self.slow_cls[r] = cls
+                np.add.at(self.by, cls, c)
             super().observe(rows, counts, times, now)
 
         def lifecycle(self, acquired, released, now):
             super().lifecycle(acquired, released, now)
-            # the lifecycle of a tick comes after its reads: reads of a block
-            # taken in this tick were counted as "taken-later" above
-            x = float(self.slow_now[acquired].sum())
-            self.c["taken"] += x
-            self.c["taken-later"] -= x
+            # the lifecycle of a tick comes after its reads: the reads of a
+            # block taken in this tick move to "taken" from where observe put them
+            a = acquired[self.slow_now[acquired] > 0]
+            np.add.at(self.by, self.slow_cls[a], -self.slow_now[a])
+            self.by[1] += float(self.slow_now[a].sum())
+            self.slow_now[a] = 0.0
             self.taken[acquired] = self.eng.k
 
         def moved(self, rows, dst, ok, now):
@@ -125,7 +126,7 @@ def main() -> None:
         p = instrumented(FeasibleOracle() if name == "feasible-oracle" else POLICIES[name]())
         r = simulate(src, cfg, p)
         tot = p.total or 1.0
-        shares = " | ".join(f"{p.c[k] / tot:.4f}" for k in CLASSES)
+        shares = " | ".join(f"{v / tot:.4f}" for v in p.by)
         print(f"| {name} | {r.fast_hit:.4f} | {shares} | {sum(r.migrated_bytes.values()) / GIB:,.0f} | "
               f"{p.promos:,} | {p.pingpong:,} |", flush=True)
 
