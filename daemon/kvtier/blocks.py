@@ -292,3 +292,20 @@ class BlockTable:
     def snapshot(self) -> dict[str, np.ndarray]:
         """Copies of every array: what the policy sees, immune to later writes."""
         return {name: arr[: self.n].copy() for name, arr in self._a.items()}
+
+
+Rows = "np.ndarray | slice"  # table rows: an index array, or a region's contiguous slice
+
+
+def row_count(rows: np.ndarray | slice) -> int:
+    """How many rows ``rows`` names (a slice: stop - start, step 1)."""
+    if isinstance(rows, slice):
+        return max(0, rows.stop - rows.start)
+    return int(np.asarray(rows).size)
+
+
+def row_select(rows: np.ndarray | slice, mask: np.ndarray) -> np.ndarray:
+    """The rows of ``rows`` where ``mask`` (as long as ``rows``) holds, as indices."""
+    if isinstance(rows, slice):
+        return np.flatnonzero(mask) + rows.start
+    return rows[mask]

@@ -50,7 +50,7 @@ import numpy.ma  # noqa: F401
 from kvtier import logs
 from kvtier import policy as pol
 from kvtier.blocks import (FIELDS, F_ENGINE, F_KEEP_DRAM, F_MANUAL_PIN, F_NEVER_SWAP, F_NOT_PRESENT, F_STALE,
-                           F_UNMOVABLE, TIER_UNKNOWN, BlockTable, Slice)
+                           F_UNMOVABLE, TIER_UNKNOWN, BlockTable, Slice, row_count, row_select)
 from kvtier.engine_moves import EngineMoves
 from kvtier.errors import InvalidArgument, KvtierError, RangeNotMapped
 from kvtier.hotness import Temperature
@@ -642,7 +642,7 @@ class Engine:
             n = len(self.table)
         else:
             flags[rows] |= np.uint8(F_STALE)
-            n = int(np.asarray(rows).size)
+            n = row_count(rows)
         self._urgent = True
         return n
 
@@ -720,9 +720,10 @@ class Engine:
         t = self.table
         tier = t.tier[rows].astype(np.int64)
         flags = t.flags[rows]
+        n = row_count(rows)
         movable = (tier >= 0) & ((flags & (F_UNMOVABLE | F_NOT_PRESENT)) == 0)
         if kind == "prefetch":
-            dst = np.zeros(rows.size, dtype=np.int64)
+            dst = np.zeros(n, dtype=np.int64)
             # Hot as far as the policy is concerned, so it does not send them
             # straight back down as cold between the watermarks.
             t.temp[rows] = np.maximum(t.temp[rows], np.float32(self.policy_cfg.promote_temp))
@@ -737,7 +738,7 @@ class Engine:
         there = movable & (dst == tier)
         go = movable & ~there
         if go.any():
-            sel = rows[go]
+            sel = row_select(rows, go)
             self.scheduled.append((t.region[sel].astype(np.int64), t.index[sel].astype(np.int64),
                                    dst[go].astype(np.int8), self.clock(), timed))
             self.loop.call_soon(self.kick)

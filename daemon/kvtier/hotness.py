@@ -56,7 +56,8 @@ import math
 
 import numpy as np
 
-from .blocks import F_ENGINE, F_NOT_PRESENT, F_PREFILL_DONE, F_STALE, F_UNMOVABLE, TIER_UNKNOWN, BlockTable
+from .blocks import (F_ENGINE, F_NOT_PRESENT, F_PREFILL_DONE, F_STALE, F_UNMOVABLE, TIER_UNKNOWN, BlockTable,
+                     row_select)
 from .errors import ConfigError, InvalidArgument
 
 # Relative trust in each source (multiplies its counts).
@@ -229,7 +230,7 @@ class Temperature:
 
     def recheck(self, table: BlockTable, rows: np.ndarray) -> None:
         """Rows whose temperature something other than ``add`` raised: test their silence next tick."""
-        table.check_at[np.asarray(rows, dtype=np.int64)] = -np.inf
+        table.check_at[rows if isinstance(rows, slice) else np.asarray(rows, dtype=np.int64)] = -np.inf
 
     def _silence(self, table: BlockTable, now: float, mask: np.ndarray) -> None:
         """End the runs whose silence is improbable at their own rate (module doc).
@@ -344,8 +345,9 @@ class Temperature:
 PHASES = ("prefill_done", "active", "free", "discard")
 
 
-def apply_phase(table: BlockTable, rows: np.ndarray, phase: str) -> None:
-    """A client's ``phase`` message for table rows (the registry and kvtier-sim run this).
+def apply_phase(table: BlockTable, rows: np.ndarray | slice, phase: str) -> None:
+    """A client's ``phase`` message for table rows, an index array or a
+    region's row slice (the registry and kvtier-sim run this).
 
     ``prefill_done``: read-only from now on, a preferred demotion candidate;
     ``active``: undo that; ``free``: no request reads the blocks now, their
@@ -373,7 +375,7 @@ def apply_phase(table: BlockTable, rows: np.ndarray, phase: str) -> None:
         # operator's pin): those stay.
         flags[rows] &= np.uint8(~F_PREFILL_DONE & 0xFF)
         # An engine-mode block's placement is its engine's word, not pages.
-        paged = rows[(flags[rows] & np.uint8(F_ENGINE)) == 0]
+        paged = row_select(rows, (flags[rows] & np.uint8(F_ENGINE)) == 0)
         flags[paged] |= np.uint8(F_NOT_PRESENT | F_STALE)
         table.tier[paged] = TIER_UNKNOWN
         table.temp[rows] = 0.0
@@ -385,7 +387,7 @@ def apply_phase(table: BlockTable, rows: np.ndarray, phase: str) -> None:
         table.returns[rows] = 0
         # A failed move's backoff was about the old contents; an unmovable
         # block's re-probe time is about its memory and stays.
-        movable = rows[(flags[rows] & np.uint8(F_UNMOVABLE)) == 0]
+        movable = row_select(rows, (flags[rows] & np.uint8(F_UNMOVABLE)) == 0)
         table.retry_at[movable] = -np.inf
         table.fail_count[movable] = 0
     else:

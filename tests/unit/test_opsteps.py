@@ -1,0 +1,99 @@
+"""server.OpSteps: large block ops in steps across loop iterations, the
+uids taking turns, a hung-up client's op stopped between steps; and the
+row slice a whole-region op works on."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from kvtier.blocks import BlockTable, row_count, row_select
+from kvtier.hotness import apply_phase
+from kvtier.server import OpSteps
+
+
+def test_steps_go_round_robin_between_uids_and_sum_their_results():
+    order: list[tuple[str, int]] = []
+
+    def op(name):
+        def apply(chunk):
+            order.append((name, chunk))
+            return {"blocks": chunk}
+        return apply
+
+    async def main():
+        st = OpSteps()
+        a1 = st.add("a", 1, [1, 2, 3], op("a1"))
+        a2 = st.add("a2", 1, [10], op("a2"))  # uid 1's second op: after its first
+        b = st.add("b", 2, [100, 200], op("b"))
+        return await a1, await a2, await b, st.pending
+
+    ra1, ra2, rb, left = asyncio.run(main())
+    assert (ra1, ra2, rb, left) == ({"blocks": 6}, {"blocks": 10}, {"blocks": 300}, 0)
+    # uid 2's op is not queued behind all of uid 1's steps
+    assert order == [("a1", 1), ("b", 100), ("a1", 2), ("b", 200), ("a1", 3), ("a2", 10)]
+
+
+def test_a_hung_up_client_keeps_the_steps_taken_and_no_more():
+    done: list[int] = []
+    gone = {"x": False}
+
+    def apply(chunk):
+        done.append(chunk)
+        if chunk == 2:
+            gone["x"] = True  # the client hangs up after its second step
+        return {"blocks": 1}
+
+    async def main():
+        st = OpSteps(hung_up=lambda owner: gone[owner])
+        fut = st.add("x", 1, [1, 2, 3, 4], apply)
+        with pytest.raises(asyncio.CancelledError):
+            await fut
+        return st.pending
+
+    assert asyncio.run(main()) == 0
+    assert done == [1, 2]
+
+
+def test_an_error_midway_fails_the_op_and_stops_it():
+    done: list[int] = []
+
+    def apply(chunk):
+        if chunk == 2:
+            raise KeyError("region gone")
+        done.append(chunk)
+        return {}
+
+    async def main():
+        fut = OpSteps().add("x", 1, [1, 2, 3], apply)
+        with pytest.raises(KeyError):
+            await fut
+
+    asyncio.run(main())
+    assert done == [1]
+
+
+def test_a_region_slice_selects_and_phases_like_its_indices():
+    t = BlockTable()
+    t.add_region(1, 10, 0, 64 * 4096, 4096)
+    t.add_region(2, 10, 1 << 30, 100 * 4096, 4096)
+    s = t.slices[2]
+    sl, idx = slice(s.start, s.stop), np.arange(s.start, s.stop)
+    mask = (np.arange(100) % 3) == 0
+    assert row_count(sl) == row_count(idx) == 100
+    assert (row_select(sl, mask) == row_select(idx, mask)).all()
+    t.flags[s.start + 5] |= 1  # F_UNMOVABLE: its backoff stays
+    t.retry_at[s.start + 5] = 7.0
+    t.retry_at[s.start + 6] = 7.0
+    before = t.snapshot()
+    apply_phase(t, idx, "discard")
+    want = t.snapshot()
+    for k, v in before.items():
+        t._a[k][: len(v)] = v
+    apply_phase(t, sl, "discard")
+    got = t.snapshot()
+    for k in want:
+        assert np.array_equal(got[k], want[k]), k
+    assert got["retry_at"][s.start + 5] == 7.0 and got["retry_at"][s.start + 6] == -np.inf
