@@ -304,7 +304,12 @@ def test_watchdog_restarts_a_frozen_daemon(running):
             os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:
             pass
-    assert int(show(SERVICE, "NRestarts")["NRestarts"]) == restarts + 1
+    # At least the frozen daemon's restart. The drop-in's watchdog is the
+    # guest's slowness at set-up times 8 s; a guest that gets slower later
+    # (fresh-clone CI at host load 9: slowness 4.8) can stall a restarted
+    # daemon's loop past it too, and systemd then restarts that one as well,
+    # which is the watchdog working, not this test failing.
+    assert int(show(SERVICE, "NRestarts")["NRestarts"]) >= restarts + 1
     assert not Path(f"/proc/{pid}").exists()
     msgs = [e.get("MESSAGE", "") for e in journal("-u", SERVICE, "_PID=1")]
     assert any("Watchdog timeout" in m for m in msgs), msgs[-10:]
