@@ -99,10 +99,9 @@ def cpu_budget() -> float:
     quiet host: under TCG the same collect costs `slowness` times the CPU
     (fresh-clone CI at host load 9: DAMON measured at 0.14-0.21 of a core,
     backed off to 1/64 and never told the cold blocks apart)."""
-    from kvtier.config import OPTIONS
+    from kvtier import config
 
-    shipped = next(o.default for o in OPTIONS if (o.section, o.name) == ("daemon", "source_cpu_budget"))
-    return shipped * slowness()
+    return config.from_dict({}).get("daemon.source_cpu_budget") * slowness()
 
 
 class Workload:
