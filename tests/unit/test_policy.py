@@ -750,24 +750,27 @@ def test_the_headroom_margin_above_the_mean_only_while_allocations_outrun_the_mi
 
 
 def test_all_cold_blocks_go_early_only_when_sustained_allocations_will_fill_dram():
-    # DRAM of 1000 blocks holds 9: 5 cold (finished) and 4 warm. Allocations
-    # come at 8 blocks/s against a migrator of 4 right now (a burst). Only if
-    # they have come that fast on the whole (the mean over minutes) and at
-    # that excess fill DRAM's free room within the horizon does every cold
-    # block go early (each one out is a new block landing in DRAM later);
-    # after a burst on a calmer mean, or with room for many minutes of the
-    # excess, the cached blocks stay (a later turn takes them from DRAM).
+    # DRAM of 1000 blocks holds 9: 3 cold (finished) and 6 warm; the
+    # migrator makes room for 4 blocks/s. Only if allocations have come
+    # faster on the whole (the mean over minutes) and at that excess fill
+    # DRAM's free room within the horizon does every cold block go early
+    # (each one out is a new block landing in DRAM later), in a lull between
+    # bursts too; after a burst on a calmer mean, or with room for many
+    # minutes of the excess, the cached blocks stay (a later turn takes them
+    # from DRAM).
     t = make_table(9)
-    t.temp[:5] = 0.1
-    t.temp[5:] = 3.0
+    t.temp[:3] = 0.1
+    t.temp[3:] = 3.0
     c = cfg(demote_mbps=4 * BS / MIB)
 
-    def cold_moves(dram_blocks, slow_blocks_s):
+    def cold_moves(dram_blocks, now_blocks_s, mean_blocks_s):
         st = PolicyState(promote_tokens=1e12, demote_tokens=1e12, last_now=99.0, last_total=9 * BS,
-                         total_at=99.0, inflow_bps=8.0 * BS, inflow_slow=slow_blocks_s * BS, inflow_slow_w=1.0)
+                         total_at=99.0, inflow_bps=now_blocks_s * BS, inflow_slow=mean_blocks_s * BS,
+                         inflow_slow_w=1.0)
         p, _ = plan(t.snapshot(), tiers(dram_blocks), c, st, 100.0)
         return sorted(p.rows[p.reason == R_COLD].tolist())
 
-    assert cold_moves(1000, 8.0) == [0, 1, 2, 3, 4]  # (8 - 4) x 900 s > 991 blocks free
-    assert cold_moves(1000, 3.0) == []  # a burst: the migrator keeps up on the whole
-    assert cold_moves(10000, 8.0) == []  # 9,991 free: more than the horizon's excess
+    assert cold_moves(1000, 8.0, 8.0) == [0, 1, 2]  # (8 - 4) x 900 s > 991 blocks free
+    assert cold_moves(1000, 1.0, 8.0) == [0, 1, 2]  # a lull: the migrator has the time
+    assert cold_moves(1000, 8.0, 3.0) == []  # a burst: the migrator keeps up on the whole
+    assert cold_moves(10000, 8.0, 8.0) == []  # 9,991 free: more than the horizon's excess
