@@ -11,7 +11,12 @@
 
 Blocking I/O on one socket for calls, no background thread (an inference
 engine's process should not grow threads behind its back). Hints never
-block the engine: ``hint`` appends to a batch; a full or old batch is sent
+block the engine. By default the first hint of a connection asks for a
+shared-memory hint ring (op ``hint_ring``, kvtier.hintring): hints without
+counts are then stores into memory the daemon drains, no system call
+(``Client(hint_ring=False)`` turns that off; rejected entries surface in
+``flush()``). Otherwise, and for hints with counts or that do not fit in a
+full ring, ``hint`` appends to a batch; a full or old batch is sent
 with non-blocking writes (what the socket cannot take now stays queued and
 goes with the next batch), answers are read when they have arrived, and
 errors surface later in ``async_errors`` / ``flush()``. If the daemon is so
@@ -39,7 +44,7 @@ from typing import Any, Callable, Iterable, Iterator
 import msgspec
 import numpy as np
 
-from kvtier import protocol
+from kvtier import hintring, protocol
 
 ENV_SOCKET = "KVTIER_SOCKET"
 # Unanswered pipelined requests before the client stops to read answers, so
@@ -47,6 +52,7 @@ ENV_SOCKET = "KVTIER_SOCKET"
 MAX_IN_FLIGHT = 64
 MAX_CLOCK_STRIDE = 16  # hint calls between clock reads, at most (Region.hint): bounds how late a batch
 # goes out when the engine suddenly hints far less often
+_RING_BAD = (hintring.BAD_REGION, hintring.BAD_BLOCK, hintring.BAD_HEAD)
 _BLOCKS_DTYPE = np.dtype(protocol.BLOCKS_DTYPE)  # numpy's built-in dtypes are singletons: ``is`` compares
 
 
@@ -282,6 +288,15 @@ class Region:
         pending or the oldest is ``hint_interval`` seconds old. The blocks are
         copied at once (the caller may reuse its array); a 1-D array of
         ``protocol.BLOCKS_DTYPE`` (uint32) is the cheapest to pass."""
+        if counts is None and type(blocks) is np.ndarray and blocks.dtype is _BLOCKS_DTYPE:
+            # With the connection's shared-memory ring: two slice stores and
+            # a head store, no system call (kvtier.hintring). A full ring
+            # falls through to the socket batch below.
+            ring = self.client.ring
+            if ring is None and self.client._ring_wanted:
+                ring = self.client._open_ring()
+            if ring is not None and ring.put(self.id, blocks if blocks.ndim == 1 else blocks.ravel()):
+                return
         if counts is None and type(blocks) is np.ndarray and blocks.dtype is _BLOCKS_DTYPE \
                 and self._cparts is None:
             # The engine's own call, between decode steps: a copy (C order,
@@ -303,6 +318,12 @@ class Region:
         k = b.size
         if not k:
             return
+        if counts is None and b is not blocks:  # (an uint32 array came through hint() already)
+            ring = self.client.ring
+            if ring is None and self.client._ring_wanted:
+                ring = self.client._open_ring()
+            if ring is not None and ring.put(self.id, b):
+                return
         if counts is not None:
             c = np.asarray(counts, dtype=protocol.COUNTS_DTYPE).ravel()
             if c.size != k:
@@ -566,6 +587,8 @@ class Client:
         # second per region cost the daemon a quarter of twenty.
         hint_interval: float = 0.2,
         hint_queue_max: int = 1 << 22,
+        hint_ring: bool = True,
+        hint_ring_entries: int = 0,
         name: str = "",
         connect: bool = True,
     ):
@@ -593,6 +616,18 @@ class Client:
         self.async_errors: list[KvtierClientError] = []  # answers to pipelined hints
         self.reconnects = 0
         self.connected_once = False  # reconnect_timeout applies only after a connection existed
+        # The shared-memory hint ring (kvtier.hintring), asked for at the
+        # first hint of each connection if ``hint_ring`` and the daemon has
+        # the op; hints without counts go there, the rest (and those that do
+        # not fit in a full ring) on the socket. ``hint_ring_entries``: the
+        # size asked for (0: the daemon's limits.hint_ring_entries).
+        self.use_ring = hint_ring
+        self.hint_ring_entries = hint_ring_entries
+        self.ring: hintring.ClientRing | None = None
+        self._ring_wanted = False  # ask at the next hint (set per connection)
+        self.ring_error: KvtierClientError | None = None  # why the last ask failed
+        self._ring_synced = 0  # ring head the daemon's counters were last read at
+        self._ring_counts: dict = {}  # those counters
         if connect:
             self.connect()
 
@@ -617,7 +652,9 @@ class Client:
         self._in_flight.clear()
         self._wpartial = b""
         self.server = {}
+        self._close_ring()
         self.server = self._call_once(protocol.Hello(client=self.name))
+        self._ring_wanted = self.use_ring and "hint_ring" in self.server.get("capabilities", ())
         # A new connection executes the engine regions' moves from now on
         # (the daemon dropped the moves pending on the old one).
         for r in list(self._regions.values()):
@@ -640,9 +677,69 @@ class Client:
                 delay = min(delay * 2, 0.5)
 
     def close_socket(self) -> None:
+        self._close_ring()
         if self.sock is not None:
             self.sock.close()
             self.sock = None
+
+    # -- the shared-memory hint ring ---------------------------------------
+
+    def _close_ring(self) -> None:
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
+        self._ring_wanted = False
+        self._ring_synced, self._ring_counts = 0, {}
+
+    def _open_ring(self) -> hintring.ClientRing | None:
+        """Ask for this connection's ring (once per connection): None, with
+        ``ring_error`` set, if the daemon refuses or the fd does not come."""
+        self._ring_wanted = False
+        fds: list[int] = []
+        try:
+            self._drain()  # nothing unread before the answer that carries the fd
+            if self.sock is None:
+                return None
+            rid = self._send(protocol.HintRing(entries=self.hint_ring_entries))
+            while True:
+                resp = self._recv_one(fds)
+                if resp.id == rid and resp.event is None:
+                    break
+                self._collect(resp)
+            if not resp.ok:
+                e = resp.error
+                raise KvtierClientError("hint_ring", e.code, e.message, e.errno)
+            if not fds:
+                raise KvtierClientError("hint_ring", protocol.E_UNAVAILABLE, "the answer carried no fd")
+            self.ring = hintring.ClientRing(fds.pop(0))
+            self._ring_synced = self.ring.written
+            self._ring_counts = {k: resp.result.get(k, 0) for k in _RING_BAD}
+        except KvtierClientError as e:
+            self.ring_error = e
+        except (ValueError, OSError) as e:  # a ring this client cannot use; the socket still can
+            self.ring_error = KvtierClientError("hint_ring", protocol.E_UNAVAILABLE, str(e))
+            if isinstance(e, (ConnectionError, socket.timeout)):
+                self._lost_connection()
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return self.ring
+
+    def _sync_ring(self) -> None:
+        """Have the daemon drain the ring now and report, as async errors,
+        the entries it rejected since the last look (hint_ring again)."""
+        ring = self.ring
+        if ring is None or ring.written == self._ring_synced or self.sock is None:
+            return
+        r = self._call_once(protocol.HintRing())
+        self._ring_synced = ring.written
+        bad = {k: r.get(k, 0) - self._ring_counts.get(k, 0) for k in _RING_BAD}
+        self._ring_counts = {k: r.get(k, 0) for k in _RING_BAD}
+        if any(bad.values()):
+            what = ", ".join(f"{n} {k}" for k, n in bad.items() if n)
+            self.async_errors.append(KvtierClientError(
+                "hint_ring", protocol.E_INVALID_ARGUMENT,
+                f"ring entries rejected: {what} (no such region of yours / block out of range / bad head)"))
 
     def close(self) -> None:
         if self.sock is not None:
@@ -799,7 +896,9 @@ class Client:
             del buf[:end]
             self._collect(resp)
 
-    def _recv_one(self) -> protocol.Response:
+    def _recv_one(self, fds: list[int] | None = None) -> protocol.Response:
+        """The next frame; with ``fds``, read with recvmsg and the fds that
+        came (SCM_RIGHTS) appended to it."""
         buf = self._rbuf
         while True:
             if len(buf) >= protocol.HEADER_SIZE:
@@ -809,7 +908,11 @@ class Client:
                     resp = protocol.decode_response(bytes(buf[protocol.HEADER_SIZE:end]))
                     del buf[:end]
                     return resp
-            chunk = self.sock.recv(1 << 20)
+            if fds is None:
+                chunk = self.sock.recv(1 << 20)
+            else:
+                chunk, got, _, _ = socket.recv_fds(self.sock, 1 << 20, 4)
+                fds.extend(got)
             if not chunk:
                 raise ConnectionResetError(_errno.ECONNRESET, "kvtierd closed the connection")
             buf += chunk
@@ -1022,6 +1125,11 @@ class Client:
         for r in list(self._regions.values()):
             r.flush()
         self._drain()
+        try:
+            self._sync_ring()
+        except (ConnectionError, socket.timeout) as e:
+            self.async_errors.append(KvtierClientError("hint_ring", "unavailable", f"ring not drained: {e}"))
+            self.close_socket()
         errs, self.async_errors = self.async_errors, []
         return errs
 

@@ -30,6 +30,7 @@ from dataclasses import MISSING, dataclass, fields
 from types import SimpleNamespace
 from typing import Any, Callable
 
+from kvtier import hintring
 from kvtier.errors import ConfigError
 from kvtier.hotness import DEFAULT_TAU_S, END_OF_RUN
 from kvtier.kernel import sources
@@ -200,6 +201,10 @@ OPTIONS: tuple[Option, ...] = (
            "(status dry_run_planned, kvtier_dry_run_planned_*) and every block keeps the tier the kernel shows."),
     Option("daemon", "log_level", str, "info", "Logging level.",
            choices=("debug", "info", "warning", "error")),
+    Option("daemon", "hint_ring_interval", float, hintring.DEFAULT_INTERVAL,
+           "Seconds between drains of the clients' shared-memory hint rings (a ring is also drained "
+           "before each request of its connection): how late a hint written there is applied.",
+           0.001, 10.0),
     Option("daemon", "watch_interval", float, 2.0,
            "Seconds between scans for processes matching [[watch]] rules and for their mappings.", 0.1, 3600.0),
     # -- security -------------------------------------------------------
@@ -222,6 +227,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("limits", "request_burst", int, 5000,
            "Token bucket depth: requests a connection may send at once.", 1, 1 << 30),
     Option("limits", "max_connections", int, 1024, "Open client connections.", 1, 1 << 20),
+    Option("limits", "hint_ring_entries", int, hintring.DEFAULT_ENTRIES,
+           "Largest shared-memory hint ring one connection may ask for, in 8-byte entries (rounded "
+           "down to a power of two; 64 Ki = 516 KiB of memfd per ring); 0 refuses rings.", 0, 1 << 24),
     Option("limits", "max_connections_per_uid", int, 128,
            "Open connections of one user id.", 1, 1 << 20),
     Option("limits", "reserved_connections", int, 16,

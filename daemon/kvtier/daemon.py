@@ -138,6 +138,7 @@ class Daemon:
         self.watch_schedule = watch_mod.Schedule(self.watch, loop, d.watch_interval)
         self.api = ControlAPI(self.registry, self.engine, self.stats, lim.max_message_bytes, VERSION)
         self.api.durable = self.state_durable
+        self.api.ring_entries, self.api.ring_interval = lim.hint_ring_entries, d.hint_ring_interval
         self.server = Server(
             self.api, self.stats, path=d.socket, mode=d.socket_mode, group=d.socket_group,
             admin_group=cfg.security.admin_group, limits=lim,
@@ -306,6 +307,7 @@ class Daemon:
                 log.error("topology rediscovery failed, keeping the old one: %s", e)
         self.registry.limits = limits_of(new)
         self.server.apply_limits(new.limits, new.security.admin_group)
+        self.api.ring_interval = new.daemon.hint_ring_interval
         self.engine.policy_cfg = pcfg
         self.engine.residency_interval = new.daemon.residency_interval
         self.engine.residency_pages_per_s = new.daemon.residency_pages_per_s

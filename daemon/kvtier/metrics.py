@@ -180,6 +180,11 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "kvtier_requests": ("counter", ("op",), "Protocol requests by operation."),
     "kvtier_request_errors": ("counter", ("op", "code"), "Protocol error responses by operation and error code."),
     "kvtier_hinted_blocks": ("counter", (), "Block indices received in hint requests."),
+    "kvtier_hint_rings": ("gauge", (), "Open shared-memory hint rings (one per connection that asked)."),
+    "kvtier_hint_ring_entries": ("counter", ("result",),
+                                 "Entries drained from hint rings: accepted, bad_region (no such region, or "
+                                 "not the connection's to hint), bad_block (index out of range), bad_head "
+                                 "(drains skipped: the client's head was not within capacity of the tail)."),
     "kvtier_source_events": ("counter", ("source", "event"),
                              "What a hotness source ran into: perf samples, lost (ring full) and unmatched "
                              "(outside every block); DAMON sysfs_busy_retries (EBUSY writes retried)."),
@@ -434,6 +439,11 @@ class Collector:
         yield ev
         yield CounterMetricFamily("kvtier_hinted_blocks", METRICS["kvtier_hinted_blocks"][2],
                                   value=s.block_hints_total)
+        yield GaugeMetricFamily("kvtier_hint_rings", METRICS["kvtier_hint_rings"][2], value=s.hint_rings_open)
+        fam = _counter("kvtier_hint_ring_entries")
+        for result in ("accepted", "bad_region", "bad_block", "bad_head"):
+            fam.add_metric([result], s.hint_ring_entries.get(result, 0))
+        yield fam
         for name, ok, err in (("kvtier_state_writes", s.state_writes_total, s.state_write_errors_total),
                               ("kvtier_config_reloads", s.config_reloads_total, s.config_reload_errors_total)):
             fam = _counter(name)

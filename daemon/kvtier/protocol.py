@@ -250,9 +250,18 @@ class Ages(Request, tag="ages"):
     pass
 
 
+class HintRing(Request, tag="hint_ring"):
+    """A shared-memory hint ring for this connection (kvtier.hintring;
+    docs/protocol.md): the first call's answer carries the ring's memfd
+    (SCM_RIGHTS); a later call drains the ring and reports its counters."""
+
+    entries: Annotated[int, Meta(ge=0, le=1 << 30)] = 0  # 0: the daemon's limit
+
+
 AnyRequest = Union[
     Hello, Register, Allocate, Unregister, Hint, Phase, Query, Stats, Status, Tiers, Regions,
     Blocks, Migrate, Measure, Pin, Unpin, Explain, Ages, Prefetch, Release, RegisterEngine, Attach, MoveDone,
+    HintRing,
 ]
 REQUEST_TYPES: tuple[type[Request], ...] = AnyRequest.__args__  # type: ignore[attr-defined]
 OPS = {t.__struct_config__.tag: t for t in REQUEST_TYPES}

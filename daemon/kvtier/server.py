@@ -34,7 +34,7 @@ from typing import Any, Callable
 import msgspec
 import numpy as np
 
-from kvtier import ages, logs, placement, protocol
+from kvtier import ages, hintring, logs, placement, protocol
 from kvtier.blocks import STUCK_NAMES, TIER_UNKNOWN
 
 from kvtier.kernel import affinity, native, procfs
@@ -185,6 +185,32 @@ class AfterWrite:
     def __init__(self, future: "asyncio.Future | None", result: Any):
         self.future = future
         self.result = result
+
+
+class WithFd:
+    """A result sent with a file descriptor (SCM_RIGHTS on the unix socket);
+    ``done(sent)`` is called once the transport has passed it or could not."""
+
+    __slots__ = ("result", "fd", "done")
+
+    def __init__(self, result: Any, fd: int, done: Callable[[bool], None]):
+        self.result = result
+        self.fd = fd
+        self.done = done
+
+
+class FdFrame(bytes):
+    """An answer frame that must carry ``fd``: sent by Connection._send_fd."""
+
+    rid: int = 0
+    fd: int = -1
+    done: Callable[[bool], None] = staticmethod(lambda sent: None)
+
+
+# Ring entries of more distinct regions than this in one drain are first
+# matched against the regions the connection may hint, with one isin: a
+# ring full of made-up region ids then costs a sort, not a lookup each.
+RING_REGIONS_DIRECT = 64
 
 
 def _error_of(exc: BaseException) -> protocol.ProtocolError:
@@ -460,8 +486,18 @@ class ControlAPI:
         }
         self.stager = Stager(registry.table, lambda peer: peer in self._hangups and self._hangups[peer]())
         self.steps = OpSteps(lambda peer: peer in self._hangups and self._hangups[peer]())
+        # Shared-memory hint rings (op hint_ring), one per connection at most.
+        self.rings: dict[Peer, hintring.DaemonRing] = {}
+        self.ring_entries = hintring.DEFAULT_ENTRIES  # limits.hint_ring_entries (0: no rings)
+        self.ring_interval = hintring.DEFAULT_INTERVAL  # daemon.hint_ring_interval
+        self._ring_timer: asyncio.TimerHandle | None = None
 
     def handle(self, peer: Peer, req: protocol.Request) -> Any:
+        # A request applies after the hints its connection published in its
+        # ring before sending it, as after hints sent on the socket before it
+        # (a phase "free" must not be undone by a hint written earlier).
+        if self.rings and peer in self.rings:
+            self._drain_ring(peer, self.rings[peer])
         return self._handlers[type(req)](peer, req)
 
     # -- authorisation ---------------------------------------------------
@@ -605,6 +641,11 @@ class ControlAPI:
             self._hangups[peer] = hung_up
 
     def disconnected(self, peer: Peer) -> None:
+        ring = self.rings.pop(peer, None)
+        if ring is not None:
+            self._drain_ring(peer, ring)  # what was published before the close still counts
+            ring.close()
+            self.stats.hint_rings_open = len(self.rings)
         self._pushers.pop(peer, None)
         self._hangups.pop(peer, None)
         self.stager.forget(peer)
@@ -737,6 +778,107 @@ class ControlAPI:
         blocks = protocol.unpack(req.blocks, protocol.BLOCKS_DTYPE, "blocks")
         counts = protocol.unpack(req.counts, protocol.COUNTS_DTYPE, "counts")
         return {"accepted": self.registry.hint(req.region, blocks, counts)}
+
+    # -- the shared-memory hint ring (kvtier.hintring) --------------------
+
+    def op_hint_ring(self, peer: Peer, req: protocol.HintRing) -> Any:
+        """The connection's ring: made and passed as an fd the first time,
+        its counters (after the drain handle() just did) every time."""
+        ring = self.rings.get(peer)
+        if ring is not None:
+            return self._ring_answer(ring, False)
+        if not self.ring_entries:
+            raise protocol.ProtocolError(protocol.E_FEATURE, "hint rings are off (limits.hint_ring_entries = 0)")
+        ring = hintring.DaemonRing(hintring.capacity_for(req.entries, self.ring_entries))
+        self.rings[peer] = ring
+        self.stats.hint_rings_open = len(self.rings)
+
+        def done(sent: bool) -> None:
+            ring.close_fd()  # the client holds its own now (or never will)
+            if not sent and self.rings.get(peer) is ring:
+                del self.rings[peer]
+                ring.close()
+                self.stats.hint_rings_open = len(self.rings)
+
+        self._arm_ring_timer()
+        return WithFd(self._ring_answer(ring, True), ring.fd, done)
+
+    @staticmethod
+    def _ring_answer(ring: hintring.DaemonRing, new: bool) -> dict:
+        return {"new": new, "entries": ring.capacity, "bytes": hintring.ring_bytes(ring.capacity),
+                "entry_size": hintring.ENTRY_SIZE, "entries_offset": hintring.ENTRIES_OFFSET,
+                "tail": ring.consumed,
+                **{k: ring.counts[k] for k in (hintring.ACCEPTED, hintring.BAD_REGION, hintring.BAD_BLOCK,
+                                               hintring.BAD_HEAD)}}
+
+    def _arm_ring_timer(self) -> None:
+        if self._ring_timer is None and self.rings:
+            self._ring_timer = asyncio.get_running_loop().call_later(self.ring_interval, self._drain_rings)
+
+    def _drain_rings(self) -> None:
+        self._ring_timer = None
+        for peer, ring in list(self.rings.items()):
+            try:
+                self._drain_ring(peer, ring)
+            except Exception:  # one client's ring never stops the others'
+                log.exception("draining the hint ring of pid %s", peer.pid)
+        self._arm_ring_timer()
+
+    def close_rings(self) -> None:
+        if self._ring_timer is not None:
+            self._ring_timer.cancel()
+            self._ring_timer = None
+        for ring in self.rings.values():
+            ring.close()
+        self.rings.clear()
+
+    def _count_ring(self, ring: hintring.DaemonRing, result: str, n: int) -> None:
+        if n:
+            ring.counts[result] += n
+            self.stats.hint_ring_entries[result] += n
+
+    def _drain_ring(self, peer: Peer, ring: hintring.DaemonRing) -> None:
+        """Apply what the client published: its entries, copied out of the
+        shared memory by ``take``, validated as the socket's hint op
+        validates (a region this connection may hint, a block in range),
+        entry by entry: the bad ones are counted and dropped, the rest
+        applied. Work per drain is bounded by the ring's capacity."""
+        entries = ring.take()
+        if ring.bad_heads != ring.bad_heads_seen:
+            self._count_ring(ring, hintring.BAD_HEAD, ring.bad_heads - ring.bad_heads_seen)
+            ring.bad_heads_seen = ring.bad_heads
+        if not entries.size:
+            return
+        regions, blocks = entries["region"], entries["block"]
+        if (regions == regions[0]).all():
+            groups = [(int(regions[0]), blocks)]
+        else:
+            order = np.argsort(regions, kind="stable")
+            regions, blocks = regions[order], blocks[order]
+            cut = np.flatnonzero(regions[1:] != regions[:-1]) + 1
+            if cut.size >= RING_REGIONS_DIRECT:
+                mine = np.fromiter((rid for rid, r in self.registry.regions.items()
+                                    if peer.privileged or r.owner_uid == peer.uid), dtype=np.int64)
+                keep = np.isin(regions, mine)
+                self._count_ring(ring, hintring.BAD_REGION, int(keep.size - np.count_nonzero(keep)))
+                regions, blocks = regions[keep], blocks[keep]
+                if not regions.size:
+                    return
+                cut = np.flatnonzero(regions[1:] != regions[:-1]) + 1
+            bounds = np.concatenate(([0], cut, [regions.size])).tolist()
+            groups = [(int(regions[lo]), blocks[lo:hi]) for lo, hi in zip(bounds, bounds[1:])]
+        for rid, b in groups:
+            reg = self.registry.regions.get(rid)
+            if reg is None or not (peer.privileged or reg.owner_uid == peer.uid):
+                self._count_ring(ring, hintring.BAD_REGION, int(b.size))
+                continue
+            inside = b < reg.nblocks
+            n_in = int(np.count_nonzero(inside))
+            if n_in != b.size:
+                self._count_ring(ring, hintring.BAD_BLOCK, int(b.size) - n_in)
+                b = b[inside]
+            if n_in:
+                self._count_ring(ring, hintring.ACCEPTED, self.registry.hint(rid, b, None))
 
     def op_phase(self, peer: Peer, req: protocol.Phase) -> Any:
         reg = self._own(peer, req.region)
@@ -1096,6 +1238,12 @@ class Connection(asyncio.Protocol):
             answer = self._answer(payload)
             if self.waiting is not None:
                 break  # _resume answers it and queues the next turn
+            if type(answer) is FdFrame:
+                self._write(out)  # the answers before it go first
+                out, held = [], 0
+                answer = self._send_fd(answer)
+                if not answer:
+                    continue
             out.append(answer)
             held += len(answer)
             if held >= OUT_CHUNK:
@@ -1107,6 +1255,36 @@ class Connection(asyncio.Protocol):
         self._write(out)
         self._track_input()
         self._update_reading()
+
+    def _send_fd(self, frame: FdFrame) -> bytes:
+        """Send ``frame`` with its fd attached (SCM_RIGHTS) straight on the
+        socket: b"" once sent, else an error answer to send instead. The fd
+        rides on the frame's first bytes, so nothing may be queued before
+        them in the transport: a client that has not read its answers is
+        told to read them and ask again."""
+        tr = self.transport
+        sent = -1
+        why = "answers to earlier requests are unread: read them, then ask again"
+        sock = tr.get_extra_info("socket") if tr is not None else None
+        if sock is not None and not tr.get_write_buffer_size():
+            # asyncio's socket wrapper has no sendmsg; a dup of the fd is the
+            # same socket (and already non-blocking).
+            dup = socket.socket(fileno=os.dup(sock.fileno()))
+            try:
+                sent = dup.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", frame.fd))])
+            except OSError as e:
+                why = f"sendmsg: {os.strerror(e.errno) if e.errno else e}"
+            finally:
+                dup.close()
+        frame.done(sent > 0)
+        if sent > 0:
+            self.server.stats.bytes_out += len(frame)
+            if sent < len(frame):
+                tr.write(bytes(frame[sent:]))
+            return b""
+        err = protocol.ProtocolError(protocol.E_UNAVAILABLE, f"could not pass the hint ring's fd: {why}")
+        self.server.stats.errors[("hint_ring", err.code)] += 1
+        return protocol.error(frame.rid, err)
 
     def _resume(self, rid: int, fut: asyncio.Future, result: Any, op: str) -> None:
         """A deferred answer is ready: send it (``result``, or the future's
@@ -1176,6 +1354,10 @@ class Connection(asyncio.Protocol):
                         lambda f, r=rid, res=result.result, o=op: self._resume(r, f, res, o))
                     return b""
                 result = result.result
+            if isinstance(result, WithFd):
+                frame = FdFrame(protocol.ok(rid, result.result))
+                frame.rid, frame.fd, frame.done = rid, result.fd, result.done
+                return frame
             return protocol.ok(rid, result)
         except Exception as exc:
             err = _error_of(exc)
@@ -1363,6 +1545,7 @@ class Server:
         self.limits = ServerLimits.of(limits)
         self.admin_gid = group_gid(admin_group)
         self.api.max_message_bytes = limits.max_message_bytes
+        self.api.ring_entries = limits.hint_ring_entries  # new rings; existing ones keep their size
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -1486,6 +1669,7 @@ class Server:
 
     async def close(self) -> None:
         self.api.stager.close()
+        self.api.close_rings()
         self.api.steps.close()
         if self._runner is not None:
             self._runner.cancel()

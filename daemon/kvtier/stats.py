@@ -87,6 +87,10 @@ class DaemonStats:
     regions_adopted_total: int = 0  # re-adopted from the state file at start
     regions_stale_total: int = 0  # in the state file but the process is gone
     block_hints_total: int = 0
+    # shared-memory hint rings (kvtier.hintring): open now, and their
+    # entries by result (accepted, bad_region, bad_block, bad_head)
+    hint_rings_open: int = 0
+    hint_ring_entries: collections.Counter = field(default_factory=collections.Counter)
     # hinted block accesses by the tier the block was in when hinted (-1
     # unknown, -2 mixed): the tier hit ratio KV-cache users ask for.
     hint_tier_blocks: collections.Counter = field(default_factory=collections.Counter)

@@ -82,7 +82,8 @@ def test_every_op_round_trips(op, fields):
 def test_ops_table_is_complete():
     assert set(protocol.OPS) == {"hello", "register", "allocate", "unregister", "hint", "phase", "query", "stats",
                                  "status", "tiers", "regions", "blocks", "migrate", "measure", "pin", "unpin",
-                                 "explain", "ages", "prefetch", "release", "register_engine", "attach", "move_done"}
+                                 "explain", "ages", "prefetch", "release", "register_engine", "attach", "move_done",
+                                 "hint_ring"}
 
 
 def test_capabilities_name_every_op_and_the_features():

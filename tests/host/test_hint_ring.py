@@ -1,0 +1,194 @@
+"""The shared-memory hint ring (op hint_ring, kvtier.hintring) against a real
+kvtierd: hints written there reach the block table, a client that writes
+garbage into its ring gets counted rejections and harms nobody, and the
+ring goes away with the connection."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+from kvtier import protocol
+from test_daemon import DROP, NOBODY, PY, ChildClient, DaemonProc, wait_for, workdir  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.root
+
+RING_FILE = "memfd:kvtier-hint-ring"
+
+
+def daemon_rings(d: DaemonProc) -> int:
+    """Hint ring mappings in the daemon's address space."""
+    with open(f"/proc/{d.proc.pid}/maps") as f:
+        return sum(RING_FILE in line for line in f)
+
+
+def pool(nbytes: int) -> mmap.mmap:
+    """Private anonymous memory with every page touched (measurable)."""
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf.write(b"\1" * nbytes)
+    return buf
+
+
+def temps(c, region: int) -> np.ndarray:
+    return protocol.unpack(c.request("blocks", region=region)["temps"], protocol.TEMPS_DTYPE, "temps")
+
+
+@pytest.fixture
+def slow_drain(workdir):
+    """Rings drained by their timer only every 10 s: what a test sees applied
+    was drained by a request of the ring's connection."""
+    d = DaemonProc(workdir, args=("--set", "daemon.hint_ring_interval=10", "--set", "hotness.end_of_run=0")).start()
+    yield d
+    assert d.stop() == 0, d.read_log()
+    assert "Traceback" not in d.read_log(), d.read_log()
+
+
+def test_ring_hints_reach_the_block_table_before_the_next_request(slow_drain):
+    d = slow_drain
+    buf = pool(32 << 20)
+    with d.client() as c:
+        region = c.register(buf, block_size=1 << 20)
+        hot = np.array([3, 4, 5, 30], dtype=np.uint32)
+        for _ in range(10):
+            region.hint(hot)
+        region.hint(np.array([[7, 8]], dtype=np.uint32))  # any shape: C order
+        region.hint([9, 9])  # not an uint32 array: converted, still the ring
+        assert c.ring is not None, c.ring_error
+        assert daemon_rings(d) == 1
+        # stats is a request of this connection: the ring is drained before it.
+        st = c.stats()
+        assert st["hint_ring_entries"] == {"accepted": 44}
+        assert st["block_hints_total"] == 44 and "hint" not in st["requests"]
+        t = temps(c, region.id)
+        assert (t[hot] > 0).all() and t[7] > 0 and t[8] > 0 and t[9] > 0
+        assert t[9] == pytest.approx(2 * t[7], rel=1e-3)
+        cold = np.setdiff1d(np.arange(32), [3, 4, 5, 30, 7, 8, 9])
+        assert (t[cold] == 0).all()
+        # A hint written just before a phase "free" is applied before it, not after.
+        region.hint(np.array([10, 11], dtype=np.uint32))
+        region.phase("free", [10, 11])
+        assert (temps(c, region.id)[[10, 11]] == 0).all()
+        assert c.flush() == []
+        region.unregister()
+
+
+def test_hinted_blocks_are_measured_and_kept_in_dram(workdir):
+    """Hints through the ring drive the engine as socket hints do: the
+    blocks are measured (on this one-node host: found in DRAM, tier 0)."""
+    d = DaemonProc(workdir).start()
+    try:
+        buf = pool(8 << 20)
+        with d.client() as c:
+            region = c.register(buf, block_size=1 << 20)
+            ids = np.arange(8, dtype=np.uint32)
+
+            def all_in_dram():
+                region.hint(ids)
+                return (region.query() == 0).all()
+
+            wait_for(all_in_dram, "hinted blocks measured in tier 0")
+            assert c.ring is not None and "hint" not in c.stats()["requests"]
+            assert c.flush() == []
+    finally:
+        assert d.stop() == 0
+        assert "Traceback" not in d.read_log(), d.read_log()
+
+
+# An unprivileged client that takes a ring by hand and writes into it what
+# the client library never would.
+HOSTILE = DROP + r"""
+import json, mmap
+import numpy as np
+from kvtier import hintring, protocol
+from kvtier.client import Client
+drop(65534, 65534)
+sock, victim = sys.argv[1], int(sys.argv[2])
+c = Client(sock, hint_ring=False)
+buf = mmap.mmap(-1, 16 << 20)
+own = c.register(buf, block_size=1 << 20).id  # 16 blocks
+c._send(protocol.HintRing(entries=1024))
+fds = []
+resp = c._recv_one(fds)
+assert resp.ok and len(fds) == 1, resp
+fd = fds[0]
+try:
+    os.ftruncate(fd, 0)
+    shrink = "allowed"
+except OSError as e:
+    shrink = e.errno
+m = mmap.mmap(fd, hintring.ring_bytes(1024))
+head = np.frombuffer(m, dtype="<u8", count=1, offset=hintring.OFF_HEAD)
+ent = np.frombuffer(m, dtype=hintring.ENTRY_DTYPE, count=1024, offset=hintring.ENTRIES_OFFSET)
+def publish(rows, at):
+    ent[at:at + len(rows)] = rows
+    head[0] = at + len(rows)
+    return at + len(rows)
+def counters():
+    r = c.request("hint_ring")
+    return {k: r[k] for k in ("accepted", "bad_region", "bad_block", "bad_head")}
+out = {"shrink": shrink}
+h = publish([(own, 3)] * 5 + [(victim, 0)] * 7 + [(999999, 1)] * 11 + [(own, 16)] * 2 + [(own, 1 << 31)], 0)
+out["mixed"] = counters()
+h = publish([(1000 + i, 0) for i in range(200)], h)  # many made-up regions at once
+out["made_up"] = counters()
+head[0] = h + 5000  # more than the capacity ahead of the tail
+out["ahead"] = counters()
+head[0] = 3  # behind the tail
+out["behind"] = counters()
+publish([(own, 4)] * 4, 3)  # the daemon carries on from the last head it was given
+out["after"] = counters()
+out["daemon_total"] = c.stats()["hint_ring_entries"]
+print(json.dumps(out))
+"""
+
+
+def test_a_hostile_ring_gets_counted_errors_and_harms_no_one(slow_drain):
+    d = slow_drain
+    buf = pool(8 << 20)
+    with d.client() as victim:
+        vregion = victim.register(buf, block_size=1 << 20)
+        vregion.hint(np.array([1], dtype=np.uint32))  # the victim's own ring, before the attack
+        assert victim.ring is not None
+        r = subprocess.run([PY, "-c", HOSTILE, d.sock, str(vregion.id)], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["shrink"] == 1  # EPERM: the memfd is sealed, the daemon's mapping cannot be cut short
+        zero = {"accepted": 0, "bad_region": 0, "bad_block": 0, "bad_head": 0}
+        assert out["mixed"] == {**zero, "accepted": 5, "bad_region": 18, "bad_block": 3}
+        assert out["made_up"] == {**zero, "accepted": 5, "bad_region": 218, "bad_block": 3}
+        assert out["ahead"] == {**out["made_up"], "bad_head": 1}
+        assert out["behind"] == {**out["made_up"], "bad_head": 2}
+        assert out["after"] == {**out["behind"], "accepted": 9}
+        # Nothing reached the victim's region but its own hint, which still works.
+        t = temps(victim, vregion.id)
+        assert t[1] > 0 and (np.delete(t, 1) == 0).all()
+        vregion.hint(np.array([2], dtype=np.uint32))
+        assert victim.flush() == []
+        assert temps(victim, vregion.id)[2] > 0
+        assert victim.stats()["hint_ring_entries"]["accepted"] == out["after"]["accepted"] + 2
+
+
+def test_the_ring_goes_away_with_the_connection(slow_drain):
+    d = slow_drain
+    buf = pool(4 << 20)
+    with d.client() as c:
+        r = c.register(buf, block_size=1 << 20)
+        r.hint(np.array([0], dtype=np.uint32))
+        assert c.ring is not None and daemon_rings(d) == 1
+    wait_for(lambda: daemon_rings(d) == 0, "the closed connection's ring unmapped")
+    # A client killed with its ring open: the same.
+    with ChildClient(d.sock) as child:
+        child("register")
+        assert child("hint", blocks=[1, 2])["errors"] == []
+        assert daemon_rings(d) == 1
+        child.kill()
+    wait_for(lambda: daemon_rings(d) == 0, "the killed client's ring unmapped")
+    with d.client(hint_ring=False) as c:
+        st = c.stats()
+        assert st["hint_rings_open"] == 0 and st["hint_ring_entries"]["accepted"] == 3
