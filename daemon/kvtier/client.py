@@ -50,6 +50,11 @@ ENV_SOCKET = "KVTIER_SOCKET"
 # Unanswered pipelined requests before the client stops to read answers, so
 # neither side's socket buffer fills up while the other waits.
 MAX_IN_FLIGHT = 64
+# Ring hints make no system call, so nothing tells the client that the
+# daemon went away (restarted): every this many ring hints one non-blocking
+# read of the socket does (EOF), and the hints the old ring still held are
+# sent on the socket after the reconnect.
+RING_CHECK_CALLS = 64
 MAX_CLOCK_STRIDE = 16  # hint calls between clock reads, at most (Region.hint): bounds how late a batch
 # goes out when the engine suddenly hints far less often
 _RING_BAD = (hintring.BAD_REGION, hintring.BAD_BLOCK, hintring.BAD_HEAD)
@@ -296,6 +301,9 @@ class Region:
             if ring is None and self.client._ring_wanted:
                 ring = self.client._open_ring()
             if ring is not None and ring.put(self.id, blocks if blocks.ndim == 1 else blocks.ravel()):
+                self.client._ring_countdown -= 1
+                if self.client._ring_countdown <= 0:
+                    self.client._ring_check()
                 return
         if counts is None and type(blocks) is np.ndarray and blocks.dtype is _BLOCKS_DTYPE \
                 and self._cparts is None:
@@ -323,6 +331,9 @@ class Region:
             if ring is None and self.client._ring_wanted:
                 ring = self.client._open_ring()
             if ring is not None and ring.put(self.id, b):
+                self.client._ring_countdown -= 1
+                if self.client._ring_countdown <= 0:
+                    self.client._ring_check()
                 return
         if counts is not None:
             c = np.asarray(counts, dtype=protocol.COUNTS_DTYPE).ravel()
@@ -628,6 +639,7 @@ class Client:
         self.ring_error: KvtierClientError | None = None  # why the last ask failed
         self._ring_synced = 0  # ring head the daemon's counters were last read at
         self._ring_counts: dict = {}  # those counters
+        self._ring_countdown = RING_CHECK_CALLS  # ring hints before the next look at the socket
         if connect:
             self.connect()
 
@@ -662,7 +674,7 @@ class Client:
                 self._call_once(protocol.Attach(region=r.id, tiers=r.tiers.astype(protocol.TIERS_DTYPE).tobytes()))
 
     def _reconnect(self) -> None:
-        self.close_socket()
+        self.close_socket(salvage=True)
         deadline = time.monotonic() + self.reconnect_timeout
         delay = 0.01
         while True:
@@ -676,16 +688,20 @@ class Client:
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
 
-    def close_socket(self) -> None:
-        self._close_ring()
+    def close_socket(self, salvage: bool = False) -> None:
+        """``salvage``: the connection was lost, so nobody will drain the
+        ring: queue what it holds as hint frames for the next connection."""
+        self._close_ring(salvage)
         if self.sock is not None:
             self.sock.close()
             self.sock = None
 
     # -- the shared-memory hint ring ---------------------------------------
 
-    def _close_ring(self) -> None:
+    def _close_ring(self, salvage: bool = False) -> None:
         if self.ring is not None:
+            if salvage:
+                self._requeue(self.ring.unconsumed_entries())
             self.ring.close()
             self.ring = None
         self._ring_wanted = False
@@ -724,6 +740,24 @@ class Client:
             for fd in fds:
                 os.close(fd)
         return self.ring
+
+    def _requeue(self, entries: np.ndarray) -> None:
+        """Ring entries as hint frames in the socket queue, one per region."""
+        if not entries.size:
+            return
+        regions = entries["region"]
+        for rid in np.unique(regions).tolist():
+            blocks = np.ascontiguousarray(entries["block"][regions == rid])
+            self._queue_hint(protocol.Hint(region=rid, blocks=blocks.tobytes()), int(blocks.size))
+
+    def _ring_check(self) -> None:
+        """Every RING_CHECK_CALLS ring hints: answers that came are read
+        and a daemon that went away is noticed (non-blocking, one read)."""
+        self._ring_countdown = RING_CHECK_CALLS
+        try:
+            self._poll_answers(always=True)
+        except (ConnectionError, socket.timeout):
+            self._lost_connection()
 
     def _sync_ring(self) -> None:
         """Have the daemon drain the ring now and report, as async errors,
@@ -774,15 +808,7 @@ class Client:
 
     def _send_hint(self, req: protocol.Hint, nblocks: int) -> None:
         """Queue one hint frame and write what the socket takes now."""
-        rid = self._next_id
-        self._next_id += 1
-        req.id = rid
-        self._hint_queue.append((protocol.encode_request(req), rid, nblocks, req.__struct_config__.tag))
-        self._hint_queued += nblocks
-        while self._hint_queued > self.hint_queue_max and len(self._hint_queue) > 1:
-            _, _, n, _ = self._hint_queue.popleft()  # oldest first: hints age
-            self._hint_queued -= n
-            self.hints_dropped += n
+        self._queue_hint(req, nblocks)
         try:
             if self.sock is None:
                 try:  # one attempt, no waiting: the queue holds the hints meanwhile
@@ -801,12 +827,24 @@ class Client:
             # reconnect (it may be restarting); nothing is raised to the engine.
             self._lost_connection()
 
+    def _queue_hint(self, req: protocol.Hint, nblocks: int) -> None:
+        """One hint frame at the end of the queue (the oldest dropped past hint_queue_max)."""
+        rid = self._next_id
+        self._next_id += 1
+        req.id = rid
+        self._hint_queue.append((protocol.encode_request(req), rid, nblocks, req.__struct_config__.tag))
+        self._hint_queued += nblocks
+        while self._hint_queued > self.hint_queue_max and len(self._hint_queue) > 1:
+            _, _, n, _ = self._hint_queue.popleft()  # oldest first: hints age
+            self._hint_queued -= n
+            self.hints_dropped += n
+
     def _lost_connection(self) -> None:
         for rid, op in self._in_flight.items():
             self.async_errors.append(KvtierClientError(op, "unavailable", "kvtierd closed the connection"))
         self._in_flight.clear()
         self._wpartial = b""
-        self.close_socket()
+        self.close_socket(salvage=True)
 
     def _push_hints(self, block: bool) -> None:
         """Write queued hint frames: all of them (``block``), or as many as
@@ -873,10 +911,11 @@ class Client:
         finally:
             sock.setblocking(True)
 
-    def _poll_answers(self) -> None:
-        """Collect the answers that have arrived, without waiting for any."""
+    def _poll_answers(self, always: bool = False) -> None:
+        """Collect the answers that have arrived, without waiting for any
+        (``always``: read even with none expected, to see an EOF)."""
         sock = self.sock
-        if sock is None or not (self._in_flight or self._engine):
+        if sock is None or not (self._in_flight or self._engine or always):
             return
         try:
             while True:
@@ -939,7 +978,7 @@ class Client:
             for rid, op in self._in_flight.items():
                 self.async_errors.append(KvtierClientError(op, "unavailable", f"answer lost: {e}"))
             self._in_flight.clear()
-            self.close_socket()
+            self.close_socket(salvage=True)
 
     def _call_once(self, req: protocol.Request) -> Any:
         rid = self._send(req)
@@ -1127,9 +1166,11 @@ class Client:
         self._drain()
         try:
             self._sync_ring()
-        except (ConnectionError, socket.timeout) as e:
-            self.async_errors.append(KvtierClientError("hint_ring", "unavailable", f"ring not drained: {e}"))
-            self.close_socket()
+        except (ConnectionError, socket.timeout):
+            # The daemon went away with hints in the ring: they go on the
+            # socket of the next connection, as queued socket hints do.
+            self._lost_connection()
+            self._drain()
         errs, self.async_errors = self.async_errors, []
         return errs
 

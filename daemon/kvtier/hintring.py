@@ -92,6 +92,14 @@ class _Mapped:
         self.tail = np.frombuffer(self.map, dtype=U64, count=1, offset=OFF_TAIL)
         self.entries = np.frombuffer(self.map, dtype=ENTRY_DTYPE, count=capacity, offset=ENTRIES_OFFSET)
 
+    def copy_out(self, start: int, n: int) -> np.ndarray:
+        """Entries start .. start + n - 1 (n <= capacity), copied out."""
+        lo = start & self.mask
+        first = min(n, self.capacity - lo)
+        if first == n:
+            return self.entries[lo:lo + n].copy()
+        return np.concatenate((self.entries[lo:], self.entries[:n - first]))
+
     def close(self) -> None:
         if self.map is None:
             return
@@ -146,12 +154,7 @@ class DaemonRing(_Mapped):
             self.consumed = head
             self.tail[0] = head
             return self.entries[:0].copy()
-        lo = self.consumed & self.mask
-        first = min(n, self.capacity - lo)
-        if first == n:
-            out = self.entries[lo:lo + n].copy()
-        else:
-            out = np.concatenate((self.entries[lo:], self.entries[:n - first]))
+        out = self.copy_out(self.consumed, n)
         self.consumed = head
         self.tail[0] = head  # after the copy: the client may reuse these slots now
         return out
@@ -219,6 +222,13 @@ class ClientRing(_Mapped):
 
     def unconsumed(self) -> int:
         return self.written - int(self.tail[0])
+
+    def unconsumed_entries(self) -> np.ndarray:
+        """What was published and not taken (the daemon went away): a copy."""
+        n = self.unconsumed()
+        if not 0 < n <= self.capacity:
+            return self.entries[:0].copy()
+        return self.copy_out(self.written - n, n)
 
     def close(self) -> None:
         self.regions = self.blocks = None

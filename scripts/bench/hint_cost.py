@@ -16,6 +16,11 @@ frame. Two more runs pass an int64 array and a Python list instead. The mean is
 what the engine pays; the guest's TCG is roughly 50-100x slower per
 interpreted instruction than this host.
 
+The uint32 run is made twice: through the connection's shared-memory hint
+ring (the client's default) and through the socket alone (a second
+connection made with ``hint_ring=False``); the int64 and list runs use the
+ring. --no-ring leaves the ring runs out.
+
 --gap-us sleeps between calls, so batches go out every hint_interval
 (0.2 s) as in the guest workload instead of every hint_batch entries.
 --profile prints cProfile's top functions for the uint32 run.
@@ -38,7 +43,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from protocol_bench import machine, start_daemon  # noqa: E402
 
-from kvtier.client import Client  # noqa: E402
+from kvtier.client import Client, Region  # noqa: E402
 
 POOL = 256 << 20
 BLOCK = 2 << 20
@@ -100,6 +105,7 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--floors", action="store_true",
                     help="also time an empty call, a list append and a tobytes() copy the same way")
+    ap.add_argument("--no-ring", action="store_true", help="only the socket path (as before the ring)")
     ap.add_argument("--json")
     a = ap.parse_args()
     buf = mmap.mmap(-1, POOL, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -109,29 +115,43 @@ def main() -> int:
         # (in the TCG guest kvtierd takes 10-40 s to start: its imports over 9p)
         p = start_daemon(wd, None, tick=1.0, ready_timeout=180.0)
         try:
-            with Client(os.path.join(wd, "kvtierd.sock")) as c:
+            sock = os.path.join(wd, "kvtierd.sock")
+            with Client(sock, hint_ring=not a.no_ring) as c, Client(sock, hint_ring=False) as plain:
                 region = c.register(buf, block_size=BLOCK, name="hint_cost")
+                # The same region through a connection without a ring.
+                by_socket = Region(plain, {"region": region.id, "blocks": region.nblocks,
+                                           "block_size": region.block_size}, region.start, region.length)
+                plain._regions[region.id] = by_socket  # flushed with it
                 ids = np.arange(8, 8 + a.blocks, dtype=np.uint32)  # protocol.BLOCKS_DTYPE
                 run(region, ids, 2000)  # warm-up
+                run(by_socket, ids, 2000)
                 c.flush()
+                plain.flush()
+                out["ring"] = c.ring is not None
+                out["ring_error"] = str(c.ring_error) if c.ring_error else None
                 gap = a.gap_us / 1e6
                 out["gap_us"] = a.gap_us
-                out["uint32 array"] = run(region, ids, a.calls, gap)
+                if c.ring is not None:
+                    out["uint32 array, ring"] = run(region, ids, a.calls, gap)
+                out["uint32 array, socket"] = run(by_socket, ids, a.calls, gap)
                 out["int64 array"] = run(region, ids.astype(np.int64), a.calls, gap)
                 out["list"] = run(region, ids.tolist(), a.calls, gap)
                 if a.floors:
                     for kind in ("empty", "append", "tobytes"):
                         out[f"floor: {kind}"] = run(Floor(c, kind), ids, a.calls, gap)
-                errs = c.flush()
+                errs = c.flush() + plain.flush()
                 out["async_errors"] = len(errs)
-                out["hints_dropped"] = c.hints_dropped
+                out["hints_dropped"] = c.hints_dropped + plain.hints_dropped
+                out["ring_full_calls"] = c.ring.full if c.ring is not None else 0
                 if a.profile:
                     prof = cProfile.Profile()
                     prof.enable()
                     run(region, ids, a.calls // 4, gap)
                     prof.disable()
                     pstats.Stats(prof).sort_stats("tottime").print_stats(12)
-                out["daemon_hinted"] = c.stats().get("block_hints_total")
+                st = c.stats()
+                out["daemon_hinted"] = st.get("block_hints_total")
+                out["daemon_ring_entries"] = st.get("hint_ring_entries")
                 region.unregister()
         finally:
             p.terminate()
@@ -141,12 +161,14 @@ def main() -> int:
     print("| ids passed as | calls | blocks/call | frames sent | mean us | p50 us | p99 us | max us "
           "| thread CPU us/call | share of time in sending calls |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for k in [k for k in out if k in ("uint32 array", "int64 array", "list") or k.startswith("floor")]:
+    for k in [k for k in out if k.startswith(("uint32 array", "int64 array", "list", "floor"))]:
         r = out[k]
         print(f"| {k} | {r['calls']} | {r['blocks_per_call']} | {r['frames_sent']} | {r['mean_us']:.2f} "
               f"| {r['p50_us']:.2f} | {r['p99_us']:.2f} | {r['max_us']:.0f} | {r['thread_cpu_us_per_call']:.2f} "
               f"| {100 * r['share_in_sending_calls']:.1f}% |")
-    print(f"async errors {out['async_errors']}, hints dropped {out['hints_dropped']}")
+    print(f"async errors {out['async_errors']}, hints dropped {out['hints_dropped']}, ring "
+          f"{'on' if out['ring'] else 'off'} ({out['ring_full_calls']} calls found it full"
+          f"{'; ' + out['ring_error'] if out['ring_error'] else ''}), daemon: {out['daemon_ring_entries']}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

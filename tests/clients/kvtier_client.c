@@ -11,7 +11,9 @@
  *   register it (and again: the same region comes back `existing`);
  *   an overlapping register -> `overlap`; HINT_FRAMES hints sent in one
  *   go without reading (one of them bad -> `invalid_argument`, the others
- *   answered in order); phase; query until measured, and a short page;
+ *   answered in order); a hint ring (hint_ring: the memfd by SCM_RIGHTS,
+ *   sealed; entries published across the wrap, one of them bad, counted);
+ *   phase; query until measured, and a short page;
  *   blocks; stats; tiers; migrate with wait (to swap and back when the
  *   daemon has a swap tier, else to tier 0); with a swap tier, an
  *   engine-mode region: migrate, the `move` event, move_done; regions
@@ -47,6 +49,9 @@
 #define NBLOCKS 8
 #define HINT_FRAMES 40
 #define BAD_HINT_AT 17 /* the pipelined hint frame that names a block past the end */
+#define RING_ENTRIES 256 /* the hint ring asked for */
+#define RING_FIRST 200   /* entries published before the first drain; then RING_SECOND, across the wrap */
+#define RING_SECOND 100
 
 static int failures;
 
@@ -491,6 +496,8 @@ static void send_frame(conn_t *c, buf_t *b)
 
 static void decode_rx(conn_t *c, uint32_t n);
 
+static void recv_body(conn_t *c, uint32_t be);
+
 /* Read one frame and decode it into c->root. Returns 1, or 0 on EOF. */
 static int recv_frame(conn_t *c)
 {
@@ -500,6 +507,40 @@ static int recv_frame(conn_t *c)
         return 0;
     if (r < 0)
         die("recv header: %s", errno ? strerror(errno) : "EOF inside a header");
+    recv_body(c, be);
+    return 1;
+}
+
+/* Read one frame that carries a file descriptor (SCM_RIGHTS on its first
+ * bytes: section 4, hint_ring) with recvmsg; *fd gets it (-1: none came). */
+static void recv_frame_fd(conn_t *c, int *fd)
+{
+    uint8_t hdr[4];
+    size_t got = 0;
+    *fd = -1;
+    while (got < 4) {
+        union { char buf[CMSG_SPACE(sizeof(int))]; struct cmsghdr align; } cbuf;
+        struct iovec iov = {hdr + got, 4 - got};
+        struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf.buf,
+                            .msg_controllen = sizeof cbuf.buf};
+        ssize_t k = recvmsg(c->fd, &mh, MSG_CMSG_CLOEXEC);
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k <= 0)
+            die("recvmsg: %s", k ? strerror(errno) : "EOF");
+        for (struct cmsghdr *cm = CMSG_FIRSTHDR(&mh); cm; cm = CMSG_NXTHDR(&mh, cm))
+            if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS && *fd < 0)
+                memcpy(fd, CMSG_DATA(cm), sizeof(int));
+        got += (size_t)k;
+    }
+    uint32_t be;
+    memcpy(&be, hdr, 4);
+    recv_body(c, be);
+}
+
+/* The rest of a frame whose header (big-endian length) was read. */
+static void recv_body(conn_t *c, uint32_t be)
+{
     uint32_t n = ntohl(be);
     if (n == 0 || n > c->max_message_bytes)
         die("daemon sent a frame of %u bytes (limit %llu)", n, (unsigned long long)c->max_message_bytes);
@@ -511,7 +552,6 @@ static int recv_frame(conn_t *c)
         die("EOF inside a frame of %u bytes", n);
     c->rx_n = n;
     decode_rx(c, n);
-    return 1;
 }
 
 /* The next event: one kept by answer(), else the next frame read. */
@@ -826,7 +866,7 @@ int main(int argc, char **argv)
     const node *caps = get(r, "capabilities");
     CHECK(caps && caps->type == T_ARR, "hello: no capabilities array");
     static const char *const used[] = {"hello", "register", "unregister", "hint", "phase", "query", "blocks",
-                                       "stats", "tiers", "migrate", "regions"};
+                                       "stats", "tiers", "migrate", "regions", "hint_ring"};
     for (size_t u = 0; u < sizeof used / sizeof used[0]; u++) {
         int found = 0;
         for (uint32_t i = 0; caps && caps->type == T_ARR && i < caps->a.n; i++)
@@ -971,6 +1011,79 @@ int main(int argc, char **argv)
         mp_str(&b, "blocks"); mp_bin(&b, "\x01\x00\x00", 3);
         send_frame(&c, &b);
         expect_err(&c, id, "invalid_argument", "hint-bin-length");
+    }
+
+    /* ---- the hint ring (section 4, hint_ring): every earlier answer is
+     * read, so the daemon may pass the fd now */
+    {
+        id = req(&b, "hint_ring", 1);
+        mp_str(&b, "entries"); mp_uint(&b, RING_ENTRIES);
+        send_frame(&c, &b);
+        int ring_fd;
+        recv_frame_fd(&c, &ring_fd);
+        const node *ok = get(&c.root, "ok");
+        CHECK(uget(&c.root, "id", 0) == id && ok && ok->type == T_BOOL && ok->b, "hint_ring: not an ok answer");
+        r = get(&c.root, "result");
+        CHECK(r && r->type == T_MAP, "hint_ring: no result");
+        const node *isnew = get(r, "new");
+        CHECK(isnew && isnew->type == T_BOOL && isnew->b, "hint_ring: the first answer is not new");
+        CHECK(uget(r, "entries", 0) == RING_ENTRIES && uget(r, "entry_size", 0) == 8 &&
+              uget(r, "entries_offset", 0) == 4096 && uget(r, "bytes", 0) == 4096 + 8 * RING_ENTRIES,
+              "hint_ring: layout entries %llu bytes %llu", (unsigned long long)uget(r, "entries", 0),
+              (unsigned long long)uget(r, "bytes", 0));
+        CHECK(ring_fd >= 0, "hint_ring: the answer carried no fd");
+        if (ring_fd < 0)
+            die("no ring fd");
+        size_t ring_bytes = (size_t)uget(r, "bytes", 0);
+        uint8_t *ring = mmap(NULL, ring_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, ring_fd, 0);
+        if (ring == MAP_FAILED)
+            die("mmap ring: %s", strerror(errno));
+        /* sealed: the daemon's mapping cannot be cut short */
+        CHECK(ftruncate(ring_fd, 0) < 0 && errno == EPERM, "hint ring: ftruncate to 0 was not refused (EPERM)");
+        close(ring_fd);
+        CHECK(memcmp(ring, "KVTRING1", 8) == 0, "hint ring: magic");
+        CHECK(le32(ring + 8) == 1 && le32(ring + 12) == 8 && le32(ring + 16) == RING_ENTRIES && le32(ring + 20) == 4096,
+              "hint ring: header version %u entry_size %u capacity %u offset %u", le32(ring + 8), le32(ring + 12),
+              le32(ring + 16), le32(ring + 20));
+        uint64_t *head = (uint64_t *)(ring + 64), *tail = (uint64_t *)(ring + 128);
+        uint32_t *ent = (uint32_t *)(ring + 4096);
+        uint64_t h = 0; /* our head */
+        int rounds[2] = {RING_FIRST, RING_SECOND};
+        for (int round = 0; round < 2; round++) {
+            int n = rounds[round] + round; /* the second round adds one bad entry */
+            CHECK(h + (uint64_t)n - __atomic_load_n(tail, __ATOMIC_ACQUIRE) <= RING_ENTRIES,
+                  "hint ring: no room for %d entries", n);
+            for (int i = 0; i < n; i++) {
+                uint64_t slot = (h + (uint64_t)i) & (RING_ENTRIES - 1);
+                uint32_t block = (uint32_t)((h + (uint64_t)i) % NBLOCKS);
+                if (round == 1 && i == n - 1) {
+                    block = NBLOCKS; /* past the end: counted as bad_block, not applied */
+                } else {
+                    hinted++;
+                    per_block[block]++;
+                }
+                ent[2 * slot] = (uint32_t)region;
+                ent[2 * slot + 1] = block;
+            }
+            h += (uint64_t)n;
+            __atomic_store_n(head, h, __ATOMIC_RELEASE);
+            /* asking again drains the ring and answers its counters, no fd */
+            id = req(&b, "hint_ring", 0);
+            send_frame(&c, &b);
+            r = expect_ok(&c, id, "hint_ring again");
+            isnew = get(r, "new");
+            CHECK(isnew && isnew->type == T_BOOL && !isnew->b, "hint_ring again: says new");
+            uint64_t want = RING_FIRST + (round ? RING_SECOND : 0);
+            CHECK(uget(r, "accepted", 0) == want && uget(r, "bad_block", 99) == (uint64_t)round &&
+                  uget(r, "bad_region", 99) == 0 && uget(r, "bad_head", 99) == 0 && uget(r, "tail", 0) == h,
+                  "hint ring round %d: accepted %llu bad_block %llu tail %llu", round,
+                  (unsigned long long)uget(r, "accepted", 0), (unsigned long long)uget(r, "bad_block", 99),
+                  (unsigned long long)uget(r, "tail", 0));
+            CHECK(__atomic_load_n(tail, __ATOMIC_ACQUIRE) == h, "hint ring: tail not advanced to head");
+        }
+        munmap(ring, ring_bytes);
+        printf("hint ring of %d entries: %d hints published across the wrap\n", RING_ENTRIES,
+               RING_FIRST + RING_SECOND);
     }
 
     /* ---- phase: blocks 6 and 7 are prefilled */

@@ -100,8 +100,9 @@ def test_c_client_against_kvtierd(client_binary, kvtierd):
             (reg,) = [r for r in py.regions(pid=proc.pid) if r["id"] == region]
             assert (reg["nblocks"], reg["block_size"], reg["name"], reg["priority"]) == (
                 NBLOCKS, 4 * os.sysconf("SC_PAGE_SIZE"), "c-client", -5)
-            # 39 good pipelined frames of 3 entries; the bad one counted nothing
-            assert hinted == 39 * 3
+            # 39 good pipelined frames of 3 entries (the bad one counted
+            # nothing), then 300 good entries of 301 through the hint ring
+            assert hinted == 39 * 3 + 300
             assert reg["block_hints"] == hinted
             blocks = py.request("blocks", region=region)
             temps = np.frombuffer(blocks["temps"], "<f4")
@@ -135,6 +136,10 @@ def test_c_client_against_kvtierd(client_binary, kvtierd):
         assert errors["register:overlap"] == 1
         assert errors["hint:invalid_argument"] == 3  # past the end, counts length, bin length
         assert errors["frame:bad_frame"] == 1 and errors["frame:message_too_large"] == 1
+        ring = {k: after["hint_ring_entries"].get(k, 0) - before["hint_ring_entries"].get(k, 0)
+                for k in after["hint_ring_entries"]}
+        assert {k: v for k, v in ring.items() if v} == {"accepted": 300, "bad_block": 1}
+        assert after["hint_rings_open"] == before["hint_rings_open"]  # gone with the C client's connection
         # block 3 went to swap and back (migrate --wait both ways), and the
         # engine region's block 1 was moved to swap by its owner (move_done)
         swap = {t["kind"]: t["index"] for t in py.request("tiers")["tiers"]}["swap"]

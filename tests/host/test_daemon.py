@@ -402,7 +402,8 @@ def test_hint_batches_copy_at_once_and_mix_counts(daemon, timeout):
 
     import numpy as np
 
-    c = daemon.client(hint_batch=1 << 20, hint_interval=3600, timeout=timeout)
+    # the socket's batches (tests/host/test_hint_ring.py: the ring's path)
+    c = daemon.client(hint_batch=1 << 20, hint_interval=3600, timeout=timeout, hint_ring=False)
     buf = _mmap.mmap(-1, 4096 * 4096)
     r = c.register(buf, block_size=4096)
     ids = np.array([1, 2])

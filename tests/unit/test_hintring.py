@@ -73,3 +73,13 @@ def test_the_memfd_cannot_be_shrunk_under_the_daemon(ends):
                                                (1, 65536, hintring.MIN_ENTRIES), (100000, 100000, 65536)])
 def test_capacity_is_a_power_of_two_within_the_limit(asked, limit, got):
     assert hintring.capacity_for(asked, limit) == got
+
+
+def test_what_the_daemon_never_took_can_be_read_back(ends):
+    """A client whose daemon went away sends these on the socket instead."""
+    daemon, client = ends
+    client.put(2, np.arange(50, dtype=np.uint32))
+    daemon.take()
+    client.put(2, np.arange(50, 70, dtype=np.uint32))  # crosses the end of the entries
+    left = client.unconsumed_entries()
+    assert left["block"].tolist() == list(range(50, 70)) and (left["region"] == 2).all()
