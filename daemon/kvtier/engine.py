@@ -169,6 +169,9 @@ class MoveJob:
     plan: pol.Plan | None = None
     plan_pos: np.ndarray | None = None  # position of each move in plan.rows (-1 = operator move)
     started: float = 0.0
+    # a tick's plan (kvtier.policy.plan) made at this time, its moves in this
+    # job; None for scheduler hints' and promote-hot jobs
+    planned_at: float | None = None
     requested_at: np.ndarray | None = None  # scheduler hints (prefetch/release): when each was asked for
     # plan positions handed to engines (mode "engine"): paid, refunded only by their answer
     engine_pos: np.ndarray | None = None
@@ -344,6 +347,9 @@ class Engine:
         self._plan_hints = -1
         self._plan_gen = -1
         self._last_plan = -math.inf
+        # When the newest plan whose moves are all done was made (None: none
+        # yet): DRAM was brought down to what the policy fills it to then.
+        self._plan_settled_at: float | None = None
         # measuring: the rotating sample's cursor, the stale blocks' cursor, the budget clock
         self._cursor = 0
         self._stale_cursor = 0
@@ -687,6 +693,10 @@ class Engine:
             "tiers": self.tier_names(),
             "last_tick_age_s": now - self.last_tick if self.last_tick else None,
             "job_running": self.mover.busy,
+            # since the newest tick whose plan's moves (the kernel's: the
+            # mover's) are all done: DRAM holds what that plan left plus the
+            # first touches since (None: no such plan yet)
+            "plan_settled_age_s": None if self._plan_settled_at is None else now - self._plan_settled_at,
             "workers": {w.name: w.busy for w in (self.mover, self.measurer, self.collector)},
             "manual_moves_pending": sum(int(m[0].size) for m in self.manual),
             "scheduled_moves_pending": sum(int(e[0].size) for e in self.scheduled),
@@ -1088,9 +1098,11 @@ class Engine:
         engine_pos = pos[~kernel & (pos >= 0)]
         rows, dst, pos, src, ticket = rows[kernel], dst[kernel], pos[kernel], src[kernel], ticket[kernel]
         if rows.size == 0:
+            if kernel.all():  # nothing for the mover nor for an engine: the plan is done as made
+                self._plan_settled_at = now
             return None
         return MoveJob.of_rows(t, rows, src, dst, now, plan=plan if len(plan) else None, plan_pos=pos,
-                               engine_pos=engine_pos, ticket=ticket)
+                               engine_pos=engine_pos, ticket=ticket, planned_at=now)
 
     def _run_move(self, job: MoveJob) -> None:
         """On the mover thread: only the migrator and the job's arrays."""
@@ -1215,6 +1227,8 @@ class Engine:
 
     def _finish_move(self, job: MoveJob) -> None:
         self._dram_full = False
+        if job.planned_at is not None:
+            self._plan_settled_at = job.planned_at
         st = self.stats
         st.observe_migration(job.seconds)
         t = self.table

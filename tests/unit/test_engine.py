@@ -338,6 +338,26 @@ def test_cold_blocks_go_to_swap_and_are_counted(rig):
     assert r.stats.migrated_bytes[(DRAM, SWAP_TIER)] == 10 * BLOCK
 
 
+def test_status_says_since_when_the_newest_plan_is_all_moved(rig):
+    """The demo's DRAM bound starts at the newest plan whose moves are done
+    (``plan_settled_age_s``). Kills: counting a plan as done when its job is
+    handed to the mover (its demotions not made yet), or not counting it
+    when the job finishes."""
+    r = rig(16)
+    r.kernel.hold["pageout"] = threading.Event()
+    r.tick_until(lambda: r.kernel.calls and r.kernel.calls[-1][0] == "pageout")
+    job = r.engine.mover.job
+    assert job.planned_at is not None  # the demotions of a tick's plan, held in the kernel
+    r.clock.now += 3.0
+    r.engine.tick()  # skipped: the mover is busy
+    age = r.engine.status()["plan_settled_age_s"]
+    assert age is None or age > r.clock.now - job.planned_at  # an earlier, empty plan at most
+    r.kernel.hold["pageout"].set()
+    r.tick()
+    assert r.engine.status()["plan_settled_age_s"] == pytest.approx(r.clock.now - job.planned_at)
+    assert r.tiers().count(DRAM) == 6  # that plan's demotions are made
+
+
 def test_observations_heat_their_blocks(rig):
     """Kills: `_finish_collect` discarding the observations (no
     temperature.add), or adding them at the wrong rows."""
