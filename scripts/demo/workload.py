@@ -210,6 +210,9 @@ class Workload:
         self.interval_alloc: list[int] = []
         self.interval_alloc_fresh: list[int] = []
         self.interval_discard: list[int] = []
+        # when each fresh block of the interval was written (time.time()),
+        # for the demo test's bound on DRAM between the daemon's plans
+        self.interval_fresh_at: list[float] = []
 
     # -- session lifecycle ---------------------------------------------------
 
@@ -230,7 +233,9 @@ class Workload:
         written, is hot: say so at once rather than at the next read."""
         arr = np.array(blocks)
         self.interval_alloc += blocks
-        self.interval_alloc_fresh += [b for b in blocks if self.dropped[b]]
+        fresh = [b for b in blocks if self.dropped[b]]
+        self.interval_alloc_fresh += fresh
+        self.interval_fresh_at += [time.time()] * len(fresh)
         self.dropped[arr] = False
         self.pool.write(arr, sid & 0xFF)
         self.region.phase("active", arr)
@@ -291,7 +296,7 @@ class Workload:
 
     def run(self, timeline, stop) -> dict:
         a = self.a
-        t0 = time.time()
+        t0 = self.t0 = time.time()
         next_sample = t0 + 1.0
         next_step = t0
         tiers = self.tiers()
@@ -348,6 +353,7 @@ class Workload:
         reads = self.interval_reads
         self.interval_reads = np.zeros_like(reads)
         alloc, fresh, discard = self.interval_alloc, self.interval_alloc_fresh, self.interval_discard
+        fresh_at, self.interval_fresh_at = self.interval_fresh_at, []
         self.interval_alloc, self.interval_alloc_fresh, self.interval_discard = [], [], []
         if self.client is not None:
             self.client.flush()
@@ -360,6 +366,8 @@ class Workload:
         hot_dram = int((hot & (where == 0)).sum()) * self.pool.block
         daemon_tiers = self.client.request("tiers")["tiers"] if self.client is not None else []
         stats = self.client.stats() if self.client is not None else {}
+        status_t = time.time() - self.t0
+        engine = self.client.status()["engine"] if self.client is not None else {}
         now_where = self.measure(tiers)
         rec = {
             "t": round(t, 2),
@@ -376,12 +384,20 @@ class Workload:
             "tier_bytes": {d["name"]: d["kvtier_bytes"] for d in daemon_tiers},
             "migrated_bytes": stats.get("migrated_bytes", {}),
             "migration_failed_pages": stats.get("migration_failed_pages", {}),
+            # the daemon's ticks so far (None without one): which samples a tick came between
+            "ticks": stats.get("ticks_total"),
+            "ticks_skipped_busy": stats.get("ticks_skipped_busy"),
+            # when (s, as "t") the daemon made the newest plan whose moves were
+            # all done, asked just before pool_bytes was measured (None: none yet)
+            "plan_settled_t": (None if engine.get("plan_settled_age_s") is None
+                               else round(status_t - engine["plan_settled_age_s"], 3)),
             "kernel_moved_bytes": (kernel_moved_pages() - self.moved_pages0) * PAGE,
             # the workload's ground truth of the second (report.py's turnover reference)
             "read_blocks": np.flatnonzero(reads).tolist(),
             "read_counts": reads[reads > 0].tolist(),
             "alloc_blocks": alloc,
             "alloc_fresh": fresh,
+            "alloc_fresh_t": [round(x - self.t0, 3) for x in fresh_at],
             "discarded": discard,
             "where": where.tolist(),
         }

@@ -7,8 +7,8 @@ Asserts the demo's claim on outcomes, not speed, with the report's own
 code (scripts/demo/report.py): kvtier's share of block reads served from
 DRAM (measured by the workload from the kernel) is far above no tiering's
 and level with numa_balancing=2's or above; the bytes it moved (kernel counters) are within a small multiple of
-what the hot set's turnover requires on its run's own reads; DRAM holds no more than its target (but the first-touch
-allocations of one tick); blocks moved up per the daemon's counters.
+what the hot set's turnover requires on its run's own reads; DRAM holds no more than its target but the blocks
+first touched since the daemon's newest completed plan; blocks moved up per the daemon's counters.
 """
 
 from __future__ import annotations
@@ -19,10 +19,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from vmhelpers import scaled
+
+from kvtier import config
 
 pytestmark = pytest.mark.vm
 
@@ -72,7 +75,7 @@ def test_demo_kvtier_serves_most_from_dram_moving_near_the_turnover(tmp_path):
     assert floor["bytes"] > 0 and kv["moved"] <= 5 * floor["bytes"], (kv["moved"], floor)
 
     run = out / "kvtier"
-    timeline, meta, _ = report.load(run)
+    timeline, meta, summary = report.load(run)
     dram = meta["tiers"][0]["name"]
 
     def residency(records):
@@ -80,10 +83,36 @@ def test_demo_kvtier_serves_most_from_dram_moving_near_the_turnover(tmp_path):
         return sum(x["reads_by_tier"].get(dram, 0) for x in records) / reads
 
     assert residency(timeline[-10:]) > residency(timeline[:2]) + 0.3
-    # New blocks land by first touch before the daemon's next tick sees them.
-    target = int(meta["budgets"]["0"])
-    assert all(x["pool_bytes"].get(dram, 0) <= target + 2 * (2 * MIB) for x in timeline), \
-        [x["pool_bytes"].get(dram, 0) // MIB for x in timeline]
+    # DRAM holds no more than its target but the first touches since the
+    # daemon last acted. Each tick's plan brings DRAM, as the daemon counts
+    # it, down to what the policy fills it to (at most the target, less the
+    # room for the allocations it expects before the next tick); between
+    # plans only the workload's first touches add to it (promotions stop at
+    # that same fill line). So, at each sample, DRAM <= target + the fresh
+    # blocks written since the newest plan whose moves were all done (the
+    # daemon's status says when; a plan still moving has not made its room
+    # yet), and since one tick before it: a block written just before a
+    # plan is counted only once measured (its hint is batched for up to
+    # 0.2 s, then the measurer takes it), so that plan may not have seen it.
+    # Quiet runs hold 4 MiB below this bound (the policy's room for the
+    # expected allocations). A daemon that plans no demotion for room lets
+    # first touch fill DRAM as far as the kernel lets the pool go: with the
+    # policy's overflow, cold and ended steps cut out, 134 MiB, 36 over.
+    tick = config.from_dict({}).get("daemon.tick_interval")
+    target, block = int(meta["budgets"]["0"]), int(summary["block_bytes"])
+    series, over, written = [], [], []
+    for x in timeline:
+        written += x["alloc_fresh_t"]  # the fresh blocks written up to this sample
+        settled = x["plan_settled_t"]
+        since = -np.inf if settled is None else settled - tick
+        recent = int((np.array(written) > since).sum()) * block
+        in_dram = x["pool_bytes"].get(dram, 0)
+        series.append((x["t"], in_dram // MIB, settled, recent // MIB, x["ticks"]))
+        if in_dram > target + recent:
+            over.append(x["t"])
+    assert not over, (f"DRAM over target {target // MIB} MiB + the first touches since the daemon's last "
+                      f"settled plan (less a tick) at t={over}; (t s, DRAM MiB, settled plan t, those "
+                      f"first touches MiB, ticks): {series}")
 
     samples = {}
     for fam in text_string_to_metric_families((run / "metrics.txt").read_text()):
