@@ -93,8 +93,9 @@ def test_demo_kvtier_serves_most_from_dram_moving_near_the_turnover(tmp_path):
     # daemon's status says when; a plan still moving has not made its room
     # yet), and since one tick before it (times the guest's slowness): a
     # block written just before a plan is counted only once measured (its
-    # hint is batched for up to 0.2 s, then the measurer takes it after the
-    # job it may be running), so that plan may not have seen it.
+    # hint reaches the daemon within the hint ring's drain interval, then
+    # the measurer takes it after the job it may be running), so that plan
+    # may not have seen it.
     # A quiet run held 8 MiB or more below this bound (less a tick only;
     # the policy keeps room for the allocations it expects). A daemon that plans no demotion for room lets
     # first touch fill DRAM as far as the kernel lets the pool go: with the
