@@ -7,6 +7,28 @@ Each collect asks the kdamond to dump the regions the scheme tried
 (``update_schemes_tried_regions``), reads each region's nr_accesses and age,
 and spreads nr_accesses over the blocks each region covers.
 
+A region's nr_accesses says how often DAMON's sampled page in it was found
+accessed: it is evidence about the region, and about a block only as far as
+the region is that block. Two things spread it onto blocks nobody reads
+(both seen in the guest, tests/vm/test_tiering_e2e_vm.py, where they put 11
+never-read blocks of 128 into DRAM for good):
+
+- The first dumps. vaddr starts from the registered range as one region and
+  splits regions only once per aggregation, so the first dump credits every
+  block of a 256 MiB pool with the 2 accessed samples its hot 32 MiB gave
+  (and the temperature's run-start correction makes that look like a block
+  read throughout). DAMON never merges regions above ``total size /
+  min_nr_regions`` (``damon_region_sz_limit`` in mm/damon/core.c), so a
+  larger region is one still being split: it credits nothing
+  (``region_size_limit``).
+- A region straddling the edge of a hot set. Its count is the hot part's
+  share; DAMON splits at random points every aggregation and keeps apart
+  what differs, so such a region moves and shrinks from one dump to the
+  next, while a block that is read is found so in every dump. A block is
+  credited what its last two dumps agree on, the smaller of the two
+  (``collect``): a boundary passing over it once is not a read of it. A
+  block that starts being read is credited from its second dump on.
+
 Kernel behaviour this relies on (Documentation/admin-guide/mm/damon/usage.rst):
 
 - A scheme's access-pattern bounds default to 0..0 (size 0 bytes, 0
@@ -166,7 +188,7 @@ class DamonSource(Source):
         self.running = False
         self.index: BlockIndex | None = None
         self.targets: list[tuple[int, np.ndarray]] = []  # (pid, ranges) in kdamond target order
-        self.last_regions: dict[int, list[TriedRegion]] = {}  # per pid, from the last collect
+        self.last_regions: dict[int, list[TriedRegion]] = {}  # per pid, from the last dump
         self.slowdown = 1  # sample and aggregation intervals x this (engine's cost control)
         self._kernel_done = 0.0  # CPU seconds of kdamonds that have stopped
         self._kdamond: tuple[int, float] | None = None  # (pid, CPU seconds last read)
@@ -403,19 +425,40 @@ class DamonSource(Source):
             if regions:
                 break
             self.empty_dumps += 1  # the kernel's wall-clock timeout beat the apply: ask again
+        if not regions:
+            return self.empty()  # no dump: no news (the last one stays what the next is held against)
         per_pid = self.split_by_target(regions)
-        self.last_regions = per_pid
+        limit = self.region_size_limit()
         rows_l, counts_l = [], []
         for pid, regs in per_pid.items():
             if not regs:
                 continue
-            a = np.array([(r.start, r.end, r.nr_accesses) for r in regs], dtype=np.uint64)
-            rows, mean = self.index.mean_over_blocks(pid, a[:, 0], a[:, 1], a[:, 2].astype(np.float64))
-            rows_l.append(rows)
-            counts_l.append(mean)
+            rows, now_mean = self._block_means(pid, regs, limit)
+            before = self.last_regions.get(pid)
+            if before:
+                # what both dumps agree each block had (module docstring)
+                rows_l.append(rows)
+                counts_l.append(np.minimum(now_mean, self._block_means(pid, before, limit)[1]))
+        # pids no longer watched are dropped; a pid missing from this dump keeps its last
+        self.last_regions = {pid: per_pid[pid] or self.last_regions.get(pid, []) for pid in per_pid}
         if not rows_l:
             return self.empty()
         return self.observation(np.concatenate(rows_l), np.concatenate(counts_l))
+
+    def region_size_limit(self) -> int:
+        """Bytes above which a region is one DAMON is still splitting: the
+        kernel merges regions only up to the monitored total over
+        min_nr_regions (damon_region_sz_limit), so only its initial ones and
+        their first pieces are larger."""
+        total = sum(int((r[:, 1] - r[:, 0]).sum()) for _, r in self.targets)
+        return max(total // self.params.min_nr_regions, PAGE_SIZE)
+
+    def _block_means(self, pid: int, regs: list[TriedRegion], limit: int) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, byte-weighted mean nr_accesses) of the pid's blocks; regions
+        above ``limit`` bytes count as no access."""
+        a = np.array([(r.start, r.end, r.nr_accesses) for r in regs], dtype=np.uint64)
+        value = np.where(a[:, 1] - a[:, 0] > np.uint64(limit), 0.0, a[:, 2].astype(np.float64))
+        return self.index.mean_over_blocks(pid, a[:, 0], a[:, 1], value)
 
     # -- teardown ---------------------------------------------------------------------
 
