@@ -18,6 +18,13 @@ the hot set out of DRAM for good (seen here: 0% of the hot set on node 0
 after 60 ticks); the migrator now reports it as a retryable failure, and the
 DAMON-only run keeps swap too (measured 8/49 and 11/47 ticks per phase).
 
+DAMON's first dumps cover the pool with a few large regions that DAMON is
+still splitting; crediting their counts to every block they cover put 11
+never-read blocks in DRAM for good (fresh-clone CI, guest slowness 1.33).
+The DAMON source now credits a block only from regions DAMON would keep and
+only what two dumps in a row agree on: 9/9, 7/18 and 9/12 ticks per phase in
+three runs (2026-12-02, guest slowness 1.5-2.2).
+
 Placement is read from the kernel (move_pages status and pagemap through
 kvtier.kernel.migrator residency), never from the daemon's view. Convergence is
 counted in daemon ticks (its ``ticks_total``), not seconds: the limits below
