@@ -749,15 +749,15 @@ def test_the_headroom_margin_above_the_mean_only_while_allocations_outrun_the_mi
     assert replace(calm, backlog_peak=BS).headroom(c) == pytest.approx(18 * BS)
 
 
-def test_all_cold_blocks_go_early_only_when_sustained_allocations_will_fill_dram():
+def test_all_cold_blocks_go_early_while_allocations_outrun_the_migrator_and_in_its_lulls():
     # DRAM of 1000 blocks holds 9: 3 cold (finished) and 6 warm; the
-    # migrator makes room for 4 blocks/s. Only if allocations have come
-    # faster on the whole (the mean over minutes) and at that excess fill
-    # DRAM's free room within the horizon does every cold block go early
-    # (each one out is a new block landing in DRAM later), in a lull between
-    # bursts too; after a burst on a calmer mean, or with room for many
-    # minutes of the excess, the cached blocks stay (a later turn takes them
-    # from DRAM).
+    # migrator makes room for 4 blocks/s. Every cold block goes early (each
+    # one out is a new block landing in DRAM later) while allocations come
+    # faster than that, and in a lull too if they have on the whole (the
+    # mean over minutes) at an excess that fills DRAM's free room within the
+    # horizon: the lull is when the migrator has the time. A lull on a
+    # calmer mean, or one with room for many minutes of the excess, leaves
+    # the cached blocks in DRAM (down to the low watermark only: none here).
     t = make_table(9)
     t.temp[:3] = 0.1
     t.temp[3:] = 3.0
@@ -770,7 +770,7 @@ def test_all_cold_blocks_go_early_only_when_sustained_allocations_will_fill_dram
         p, _ = plan(t.snapshot(), tiers(dram_blocks), c, st, 100.0)
         return sorted(p.rows[p.reason == R_COLD].tolist())
 
-    assert cold_moves(1000, 8.0, 8.0) == [0, 1, 2]  # (8 - 4) x 900 s > 991 blocks free
-    assert cold_moves(1000, 1.0, 8.0) == [0, 1, 2]  # a lull: the migrator has the time
-    assert cold_moves(1000, 8.0, 3.0) == []  # a burst: the migrator keeps up on the whole
-    assert cold_moves(10000, 8.0, 8.0) == []  # 9,991 free: more than the horizon's excess
+    assert cold_moves(1000, 8.0, 3.0) == [0, 1, 2]  # a burst above the migrator
+    assert cold_moves(1000, 1.0, 8.0) == [0, 1, 2]  # a lull: (8 - 4) x 900 s > 991 blocks free
+    assert cold_moves(1000, 1.0, 3.0) == []  # a lull on a calm mean
+    assert cold_moves(10000, 1.0, 8.0) == []  # 9,991 free: more than the horizon's excess
