@@ -291,7 +291,8 @@ class BlockTable:
 
     def snapshot(self) -> dict[str, np.ndarray]:
         """Copies of every array: what the policy sees, immune to later writes."""
-        return {name: arr[: self.n].copy() for name, arr in self._a.items()}
+        n = self.n  # once: rows added meanwhile (another thread's copy) are not in any column
+        return {name: arr[:n].copy() for name, arr in self._a.items()}
 
 
 Rows = "np.ndarray | slice"  # table rows: an index array, or a region's contiguous slice

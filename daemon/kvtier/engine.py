@@ -70,8 +70,11 @@ IDLE_REPLAN_S = 5.0
 # buy a burst of measurement afterwards).
 MAX_BUDGET_S = 5.0
 # Pages per measuring job when the operator asked for a full re-measurement
-# (no per-second budget then, but bounded buffers per job).
-URGENT_JOB_PAGES = 1 << 20
+# (no per-second budget then): the jobs follow one another as fast as the
+# kernel answers, and each one's building and recording on the loop thread
+# stays a few ms. One job of 1 Mi pages (a `measure` of a 1 Mi-block
+# region) held the loop 1.5 s building it and 0.1 s recording it.
+URGENT_JOB_PAGES = 1 << 16
 # The rotating sample looks at least this many blocks per tick (a few
 # thousand page queries: well under a millisecond), so a small table is
 # sampled whole every tick and a new region's touched blocks are found at once.
@@ -86,6 +89,17 @@ MAX_SLOWDOWN = 64
 # MADV_PAGEOUT skips a page being read or under writeback, move_pages one
 # being migrated or locked for a moment.
 OPERATOR_ATTEMPTS = 3
+# Operator moves go to the mover this many blocks per job, one job after the
+# other (the next built as the last finishes, not at the next tick): the
+# loop thread builds and records one job in a few ms, and the mover's kernel
+# calls come in batches of this size. A `migrate` of a whole 1 Mi-block
+# region as one job held the loop 1.4 s building it, 0.1-0.4 s recording
+# it, and the mover's 1 Mi-block pass starved the loop thread of the GIL
+# for up to 2.4 s.
+MANUAL_JOB_BLOCKS = 8192
+# `explain` copies the table on its own thread; a copy during which a region
+# was added or removed is taken again, this many times in all.
+EXPLAIN_TRIES = 3
 RETRYABLE = frozenset({"NOT_PAGED_OUT", "EBUSY", "EAGAIN", "WRONG_NODE"})
 # what the migrator reports for pages of a block that is no longer mapped
 UNMAPPED = "UNMAPPED"
@@ -329,6 +343,7 @@ class Engine:
         self.mover = _Worker("migrate")
         self.measurer = _Worker("measure")
         self.collector = _Worker("collect")
+        self.explainer = _Worker("explain")
         self.last_tick = 0.0
         self.manual: list[ManualMove] = []
         self.tickets: dict[int, MoveTicket] = {}  # operator moves not finished
@@ -499,31 +514,56 @@ class Engine:
     # -- operator requests -----------------------------------------------
 
     def request_move(self, rows: np.ndarray, tier: int, *, wait: bool = False) -> MoveTicket:
-        """kvtierctl migrate: moved with the next job, outside the policy's
+        """kvtierctl migrate: moved with the next jobs, outside the policy's
         budget (the operator asked for it); blocks the kernel skipped for a
         passing reason are tried again, OPERATOR_ATTEMPTS times in all. The
         ticket follows the move to its end; with ``wait`` its future gets
         the report."""
+        ticket = self.open_move(rows, tier, wait=wait)
+        self.add_move(ticket, rows)
+        self.close_move(ticket)
+        return ticket
+
+    def open_move(self, rows: np.ndarray | slice, tier: int, *, wait: bool = False) -> MoveTicket:
+        """The ticket of an operator move whose blocks are added in parts
+        (``add_move``, a large request a part per loop iteration) and that
+        ends no earlier than ``close_move``: its moves start with the first
+        part, its report waits for the last. ``rows`` are all of them (a
+        region's row slice): the checks fail the request before any part."""
         self.check_tier(tier)
         # The region's own constraints win over an operator's one-off move
         # (unregister and register again to change them).
-        flags = np.bitwise_or.reduce(self.table.flags[rows]) if rows.size else 0
+        flags = np.bitwise_or.reduce(self.table.flags[rows]) if row_count(rows) else 0
         if flags & F_NEVER_SWAP and self._is_swap(tier):
             raise InvalidArgument("blocks of a never_swap region cannot be moved to swap")
         if flags & F_KEEP_DRAM and tier != 0:
             raise InvalidArgument("blocks of a keep_dram region cannot leave tier 0")
-        region = int(self.table.region[rows[0]]) if rows.size else -1
-        ticket = MoveTicket(self._next_ticket, region, tier, int(rows.size), self.clock(),
-                            future=self.loop.create_future() if wait else None, pending=int(rows.size),
+        first = rows.start if isinstance(rows, slice) else (int(rows[0]) if rows.size else -1)
+        region = int(self.table.region[first]) if row_count(rows) else -1
+        # pending 1: the request itself, until close_move
+        ticket = MoveTicket(self._next_ticket, region, tier, 0, self.clock(),
+                            future=self.loop.create_future() if wait else None, pending=1,
                             dry_run=bool(self.migrator.dry_run))
         self._next_ticket += 1
         self.tickets[ticket.id] = ticket
-        if rows.size:
-            self.manual.append(ManualMove(self.table.region[rows].astype(np.int64),
-                                          self.table.index[rows].astype(np.int64), tier, ticket.id))
-        else:
-            self._settle(ticket.id, 0, "gone")
         return ticket
+
+    def add_move(self, ticket: MoveTicket, rows: np.ndarray) -> None:
+        """Queue the table ``rows`` (an index array) under ``ticket``."""
+        if not rows.size or ticket.id not in self.tickets:
+            return
+        ticket.blocks += int(rows.size)
+        ticket.pending += int(rows.size)
+        self.manual.append(ManualMove(self.table.region[rows].astype(np.int64),
+                                      self.table.index[rows].astype(np.int64), ticket.tier, ticket.id))
+        if not self.mover.busy:
+            self.loop.call_soon(self.kick)  # moved from now on, not from the next tick
+
+    def close_move(self, ticket: MoveTicket) -> None:
+        """No more parts: the ticket ends once its queued blocks are done."""
+        if ticket.id in self.tickets:
+            ticket.pending -= 1
+            self._ended(ticket)
 
     def _settle(self, ticket_id: int, n: int, outcome: str, pages: int = 0,
                 errors: Mapping[str, int] | None = None) -> None:
@@ -537,6 +577,10 @@ class Engine:
         if errors:
             tk.failed_pages.update(errors)
         tk.pending -= int(n)
+        self._ended(tk)
+
+    def _ended(self, tk: MoveTicket) -> None:
+        """Report and forget the ticket if nothing of it is pending."""
         if tk.pending <= 0:
             del self.tickets[tk.id]
             report = tk.report(self.clock())
@@ -588,27 +632,45 @@ class Engine:
                 continue
             s = t.slices[r.id]
             try:
-                mask = reg.processes.mapped_blocks(r.pid, t.addr[s.start:s.stop], t.nbytes[s.start:s.stop])
+                mask = self.mapped_part(r.id, slice(s.start, s.stop))
             except (KvtierError, OSError) as e:  # process gone: the pid watcher drops it
                 log.debug("mapping check of region %d: %s", r.id, e)
                 continue
-            if not mask.any():
-                reg.drop_unmapped(r.id)
-                self._dirty = True
-                out[r.id] = None
-                continue
-            gone = np.flatnonzero(~mask) + s.start
+            out[r.id] = mask if self.mapping_seen(r.id, int(mask.size - np.count_nonzero(mask))) else None
+        return out
+
+    def mapped_part(self, region_id: int, rows: np.ndarray | slice) -> np.ndarray:
+        """check_mapping of some of a region's rows (a large region is
+        checked a part per loop iteration; ``mapping_seen`` then takes the
+        whole region's count): which are mapped; the others are marked
+        never touched and unplaced. KvtierError/OSError if the process is
+        gone."""
+        t = self.table
+        mask = self.registry.processes.mapped_blocks(self.registry.regions[region_id].pid, t.addr[rows],
+                                                     t.nbytes[rows])
+        if not mask.all():
+            gone = row_select(rows, ~mask)
             t.tier[gone] = TIER_UNKNOWN
             t.flags[gone] = (t.flags[gone] | np.uint8(F_NOT_PRESENT)) & np.uint8(~F_STALE & 0xFF)
-            if gone.size != r.unmapped_blocks:
-                logs.event(log, "region_partly_unmapped" if gone.size else "region_mapped_again",
-                           logging.WARNING if gone.size else logging.INFO, region=r.id, pid=r.pid,
-                           blocks_unmapped=int(gone.size), blocks=r.nblocks)
-                r.unmapped_blocks = int(gone.size)
-                self._dirty = True
-            out[r.id] = mask
+        return mask
+
+    def mapping_seen(self, region_id: int, unmapped: int) -> bool:
+        """A mapping check of the whole region found ``unmapped`` of its
+        blocks unmapped: a region none of whose memory is mapped any more
+        is dropped (False), a change in the count is said and counted."""
+        reg = self.registry
+        r = reg.regions[region_id]
+        if unmapped >= r.nblocks:
+            reg.drop_unmapped(r.id)
+            self._dirty = True
+        elif unmapped != r.unmapped_blocks:
+            logs.event(log, "region_partly_unmapped" if unmapped else "region_mapped_again",
+                       logging.WARNING if unmapped else logging.INFO, region=r.id, pid=r.pid,
+                       blocks_unmapped=unmapped, blocks=r.nblocks)
+            r.unmapped_blocks = unmapped
+            self._dirty = True
         self.stats.blocks_unmapped = sum(r.unmapped_blocks for r in reg.regions.values())
-        return out
+        return r.id in reg.regions
 
     def check_placement(self, region_ids) -> None:
         """Allocated regions whose blocks, never moved by kvtier, are
@@ -649,12 +711,57 @@ class Engine:
         else:
             flags[rows] |= np.uint8(F_STALE)
             n = row_count(rows)
-        self._urgent = True
+        if not self._urgent:
+            self._urgent = True
+            self.loop.call_soon(self.measure_soon)  # from now on, not from the next tick
         return n
 
     def explain(self, row: int) -> str:
         snap = self.table.snapshot()
-        text = pol.explain(snap, row, self.tier_states(), self.policy_cfg, self.pstate, self.clock())
+        return self._explained(snap, row, pol.explain(snap, row, self.tier_states(), self.policy_cfg, self.pstate,
+                                                      self.clock()))
+
+    def explain_soon(self, region_id: int, block: int) -> "asyncio.Future[str]":
+        """``explain`` of a region's block, the table copied and the policy
+        run on the explain thread: both cost O(table), 0.4 s of the loop at
+        1 Mi blocks. The copy is taken again if the table's layout changed
+        while it was taken (a region added or removed moves rows)."""
+        tiers, cfg, state, now = self.tier_states(), self.policy_cfg, self.pstate, self.clock()
+        reg = self.registry
+
+        def run() -> tuple[dict, int, str]:
+            for _ in range(EXPLAIN_TRIES):
+                gen = reg.generation
+                s = self.table.slices.get(region_id)
+                if s is None:
+                    reg.get(region_id)  # raises not_found with the reason
+                row = s.start + block
+                snap = self.table.snapshot()
+                if reg.generation == gen:
+                    return snap, row, pol.explain(snap, row, tiers, cfg, state, now)
+            raise KvtierError(f"the block table changed {EXPLAIN_TRIES} times while it was copied: try again")
+
+        out = self.loop.create_future()
+
+        def done(f: Future) -> None:
+            if out.done():
+                return
+            if f.cancelled():
+                out.cancel()
+            elif f.exception() is not None:
+                out.set_exception(f.exception())
+            else:
+                try:
+                    out.set_result(self._explained(*f.result()))
+                except Exception as exc:  # the client is told; the loop goes on
+                    out.set_exception(exc)
+
+        loop = self.loop
+        self.explainer.executor.submit(run).add_done_callback(lambda f: loop.call_soon_threadsafe(done, f))
+        return out
+
+    def _explained(self, snap: Mapping[str, np.ndarray], row: int, text: str) -> str:
+        """The policy's account of a block and what the engine adds to it."""
         pid = int(snap["pid"][row])
         r = self.registry.regions.get(int(snap["region"][row]))
         t = int(snap["tier"][row])
@@ -757,9 +864,16 @@ class Engine:
     def kick(self) -> None:
         """Hand the scheduled moves to the mover now if it is idle (else its
         finish calls back here)."""
-        if self.mover.busy or not self.scheduled or not self.topology.tiers:
+        if self.mover.busy or not (self.scheduled or self.manual) or not self.topology.tiers:
             return
-        job = self._build_scheduled(self.clock())
+        if len(self.table) == 0:
+            return  # the tick settles what is queued
+        now = self.clock()
+        job = self._build_scheduled(now) if self.scheduled else None
+        if job is None and self.manual:
+            job = self._build_manual(now)
+            if job is None and self.manual:  # that batch had nothing to move: the next one in the next turn
+                self.loop.call_soon(self.kick)
         if job is not None:
             self._submit_move(job)
 
@@ -1053,9 +1167,35 @@ class Engine:
         pos = np.arange(len(plan), dtype=np.int64)
         ticket = np.full(rows.size, -1, dtype=np.int64)
         again = np.zeros(rows.size, dtype=bool)
-        if self.manual:
+        return self._job_of(now, plan, rows, dst, pos, ticket, again)
+
+    def _take_manual(self, limit: int) -> list[ManualMove]:
+        """The first ``limit`` blocks of the operator moves, in request
+        order (the rest stays queued for the following jobs)."""
+        out, n = [], 0
+        while self.manual and n < limit:
+            m = ManualMove(*self.manual[0])
+            k = m.regions.size
+            if n + k <= limit:
+                out.append(self.manual.pop(0))
+                n += k
+                continue
+            cut = limit - n
+            out.append(m._replace(regions=m.regions[:cut], indices=m.indices[:cut]))
+            self.manual[0] = m._replace(regions=m.regions[cut:], indices=m.indices[cut:])
+            n = limit
+        return out
+
+    def _job_of(self, now: float, plan: pol.Plan | None, rows: np.ndarray, dst: np.ndarray, pos: np.ndarray,
+                ticket: np.ndarray, again: np.ndarray) -> MoveJob | None:
+        """The job for the plan's moves (``pos``: their plan positions) and
+        the next MANUAL_JOB_BLOCKS operator moves, which replace the plan's
+        for the same blocks."""
+        t = self.table
+        manual = self._take_manual(MANUAL_JOB_BLOCKS)
+        if manual:
             m_rows, m_dst, m_ticket, m_again = [], [], [], []
-            for m in (ManualMove(*e) for e in self.manual):
+            for m in (ManualMove(*e) for e in manual):
                 r = t.rows_of(m.regions, m.indices)
                 self._settle(m.ticket, int((r < 0).sum()), "gone")  # unregistered meanwhile
                 r = r[r >= 0]
@@ -1063,7 +1203,6 @@ class Engine:
                 m_dst.append(np.full(r.size, m.tier, dtype=np.int8))
                 m_ticket.append(np.full(r.size, m.ticket, dtype=np.int64))
                 m_again.append(np.full(r.size, m.retry, dtype=bool))
-            self.manual.clear()
             mr = np.concatenate(m_rows)
             md = np.concatenate(m_dst)
             mt = np.concatenate(m_ticket)
@@ -1089,7 +1228,7 @@ class Engine:
         go = (dst != src) | again
         self._settle_rows(ticket, ~go, "already")
         rows, dst, pos, src, ticket = rows[go], dst[go], pos[go], src[go], ticket[go]
-        if len(plan):
+        if plan is not None and len(plan):
             self._dirty = True  # the plan may have been cut by its budget: look again next tick
             logs.event(log, "planned", logging.DEBUG, moves=len(plan), promote_bytes=plan.promote_bytes,
                        demote_bytes=plan.demote_bytes)
@@ -1098,11 +1237,18 @@ class Engine:
         engine_pos = pos[~kernel & (pos >= 0)]
         rows, dst, pos, src, ticket = rows[kernel], dst[kernel], pos[kernel], src[kernel], ticket[kernel]
         if rows.size == 0:
-            if kernel.all():  # nothing for the mover nor for an engine: the plan is done as made
+            if plan is not None and kernel.all():  # nothing for the mover nor for an engine: the plan is done as made
                 self._plan_settled_at = now
             return None
-        return MoveJob.of_rows(t, rows, src, dst, now, plan=plan if len(plan) else None, plan_pos=pos,
-                               engine_pos=engine_pos, ticket=ticket, planned_at=now)
+        return MoveJob.of_rows(t, rows, src, dst, now, plan=plan if plan is not None and len(plan) else None,
+                               plan_pos=pos, engine_pos=engine_pos, ticket=ticket,
+                               planned_at=None if plan is None else now)
+
+    def _build_manual(self, now: float) -> MoveJob | None:
+        """A job of operator moves alone, between ticks (the plan waits for
+        the next tick)."""
+        none = np.zeros(0, dtype=np.int64)
+        return self._job_of(now, None, none, none.astype(np.int8), none, none, none.astype(bool))
 
     def _run_move(self, job: MoveJob) -> None:
         """On the mover thread: only the migrator and the job's arrays."""
@@ -1290,8 +1436,8 @@ class Engine:
             done = mv[job.ok[mv] & ~np.isnan(job.requested_at[mv])]
             for waited, up in zip(now - job.requested_at[done], job.dst[done] < job.src[done]):
                 st.observe_scheduled("prefetch" if up else "release", float(waited))
-        if self.scheduled:
-            self.loop.call_soon(self.kick)  # scheduler hints do not wait for the next tick
+        if self.scheduled or self.manual:
+            self.loop.call_soon(self.kick)  # scheduler hints and operator moves do not wait for the next tick
         if job.plan is not None:
             ok_plan = np.zeros(len(job.plan), dtype=bool)
             has = job.plan_pos >= 0
@@ -1436,12 +1582,17 @@ class Engine:
         full[: full_rows.size] = True
         addr = t.addr[rows].copy()
         nbytes = t.nbytes[rows].copy()
-        # window: S consecutive pages from a random page of each block (short
-        # blocks repeat their last page, which does not change the majority)
-        npages = np.maximum(1, nbytes.astype(np.int64) // ps)
-        first = (self._rng.random(rows.size) * np.maximum(1, npages - S + 1)).astype(np.int64)
+        # window: S consecutive pages from a random page of each sampled
+        # block (short blocks repeat their last page, which does not change
+        # the majority); full blocks need none (their rows stay zero: (rows x
+        # S) of work for 1 Mi full blocks held the loop 1.5 s)
+        window = np.zeros((rows.size, S), dtype=np.uint64)
+        ws = slice(full_rows.size, rows.size)
+        npages = np.maximum(1, nbytes[ws].astype(np.int64) // ps)
+        first = (self._rng.random(npages.size) * np.maximum(1, npages - S + 1)).astype(np.int64)
         page = np.minimum(first[:, None] + np.arange(S, dtype=np.int64)[None, :], npages[:, None] - 1)
-        window = addr[:, None] - addr[:, None] % np.uint64(ps) + page.astype(np.uint64) * np.uint64(ps)
+        base = addr[ws, None] - addr[ws, None] % np.uint64(ps)
+        window[ws] = base + page.astype(np.uint64) * np.uint64(ps)
         topo = self.topology
         swap = topo.swap_tier
         return MeasureJob(
@@ -1593,8 +1744,8 @@ class Engine:
         if suspect:
             self.check_mapping(suspect)
         self._record_placements("seen")
-        if self._measure_soon or self._first_look:
-            self.loop.call_soon(self.measure_soon)
+        if self._measure_soon or self._first_look or self._urgent:
+            self.loop.call_soon(self.measure_soon)  # an operator's full re-measurement: its next job now
 
     def _pageout_returns(self, rows: np.ndarray, measured: np.ndarray, swap: int, at: float) -> None:
         """Blocks the table has in swap since a pageout less than
@@ -1773,7 +1924,7 @@ class Engine:
                     pass
 
     def shutdown(self) -> None:
-        for w in (self.mover, self.measurer, self.collector):
+        for w in (self.mover, self.measurer, self.collector, self.explainer):
             w.executor.shutdown(wait=True, cancel_futures=True)
         for source in self.sources:
             try:

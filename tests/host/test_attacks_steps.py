@@ -20,12 +20,13 @@ import threading
 import time
 
 import msgspec
+import numpy as np
 import pytest
 
 from kvtier import protocol
 
 from test_attacks import _connect, raw_call
-from test_daemon import DROP, PY, DaemonProc, workdir  # noqa: F401  (fixtures)
+from test_daemon import DROP, PY, DaemonProc, wait_for, workdir  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.root
 
@@ -40,8 +41,12 @@ import json, mmap, socket, time, msgspec
 from kvtier import protocol
 from kvtier.client import buffer_address
 sock_path, nblocks = sys.argv[1], int(sys.argv[2])
+stride = int(sys.argv[3]) if len(sys.argv) > 3 else 0  # writes one page of every stride-th block (0: none)
 drop(65534, 65534)
 buf = mmap.mmap(-1, nblocks * 4096, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x4000)  # MAP_NORESERVE
+pages = range(0, nblocks * 4096, stride * 4096) if stride else ()
+for off in pages:
+    buf[off] = 1
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.connect(sock_path)
 reader = protocol.FrameReader(1 << 30)
@@ -54,9 +59,14 @@ def call(req):
 r = call({"op": "register", "id": 1, "start": buffer_address(buf)[0], "length": nblocks * 4096, "block_size": 4096})
 assert r.ok, r
 region = r.result["region"]
-print(json.dumps({"region": region}), flush=True)
+print(json.dumps({"region": region, "addr": buffer_address(buf)[0]}), flush=True)
 for i, line in enumerate(sys.stdin):
-    req = {**json.loads(line), "id": i + 2, "region": region}
+    req = json.loads(line)
+    if "touch" in req:  # read back what was written: faults swapped pages in
+        ok = all(buf[off] == 1 for off in pages)
+        print(json.dumps({"ok": ok}), flush=True)
+        continue
+    req = {**req, "id": i + 2, "region": region}
     t0 = time.monotonic()
     r = call(req)
     t1 = time.monotonic()
@@ -137,6 +147,159 @@ def test_whole_region_ops_on_a_huge_region_do_not_hold_other_clients(workdir):
         rel = seen[json.dumps({"op": "release"})][0]
         assert sum(rel.values()) == NBLOCKS, rel
         print({k: (round(v[1][1], 4), round(v[1][2], 4)) for k, v in seen.items()})
+    finally:
+        if watcher is not None:
+            watcher.stop.set()
+            watcher.join(timeout=30)
+        if attacker is not None:
+            attacker.kill()
+            attacker.wait()
+        assert d.stop() == 0
+        log = d.read_log()
+        assert "Traceback" not in log and "internal error" not in log, log[-3000:]
+
+
+# migrate and the measuring after `measure`, on a 1 Mi-block region (4 GiB
+# of address space) of which every STRIDE-th block has a page written:
+# 16 Ki pages (64 MiB) to page out and to find again.
+BIG = 1 << 20
+STRIDE = 64
+TOUCHED = BIG // STRIDE
+
+
+class Progress(Watcher):
+    """A Watcher that keeps, with each answer's time, the counters saying
+    how far the daemon's work has gone: mover jobs finished and blocks
+    measured page by page."""
+
+    def __init__(self, sock: str):
+        super().__init__(sock)
+        self.sock_path = sock
+        self.seen: list[tuple[float, int, int]] = []
+
+    def run(self) -> None:
+        reader = protocol.FrameReader(1 << 30)
+        i = 0
+        while not self.stop.is_set():
+            i += 1
+            r = raw_call(self.s, reader, {"op": "stats", "id": i})
+            assert r.ok, r
+            t = time.monotonic()
+            self.answers.append(t)
+            self.seen.append((t, r.result["migration_seconds_hist"]["count"], r.result["residency_full_blocks_total"]))
+
+    def now(self) -> tuple[int, int]:
+        reader = protocol.FrameReader(1 << 30)
+        with _connect(self.sock_path) as s:
+            r = raw_call(s, reader, {"op": "stats", "id": 1})
+        return r.result["migration_seconds_hist"]["count"], r.result["residency_full_blocks_total"]
+
+    def between(self, field: int, lo: int, hi: int, t0: float, t1: float) -> set[int]:
+        """The distinct values of counter ``field`` strictly between lo and
+        hi that answers arriving in [t0, t1] carried: each is an answer
+        given between two of the big op's steps."""
+        return {v[field] for v in self.seen if t0 <= v[0] <= t1 and lo < v[field] < hi}
+
+
+def _swapped(pid: int, addr: int, n: int) -> int:
+    """How many of the pages at addr + k * STRIDE pages (k < n) are in swap (pagemap bit 62)."""
+    with open(f"/proc/{pid}/pagemap", "rb") as f:
+        f.seek(addr // 4096 * 8)
+        entries = np.frombuffer(f.read(n * STRIDE * 8), dtype=np.uint64)
+    return int(((entries[::STRIDE] >> np.uint64(62)) & np.uint64(1)).sum())
+
+
+def test_whole_region_migrate_and_measure_of_1mi_blocks_answer_others_between_batches(workdir, swapfile):
+    """A `migrate` of all of a 1 Mi-block region queues its blocks a part per
+    loop iteration and the mover takes them in batches of 8 Ki, one job
+    after the other; the re-measurement a `measure` asks for runs in jobs
+    of 64 Ki pages. Before, the request's handler did all 1 Mi blocks in one
+    go, the next tick built one 1 Mi-block move job (1.4 s on the loop) or
+    one 1 Mi-page measuring job (1.5 s), and another client got nothing in
+    the meantime. Shown here without timing: another client's `stats`
+    answers arrive while the migrate request is being handled, and carry
+    the daemon's progress counters at many values between the op's start
+    and its end, so they were answered between its batches."""
+    d = DaemonProc(workdir, args=("--set", "daemon.tick_interval=1.0")).start()
+    attacker = watcher = None
+    try:
+        attacker = subprocess.Popen([PY, "-c", ATTACKER, d.sock, str(BIG), str(STRIDE)],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        line = attacker.stdout.readline()
+        assert line, f"the attacker died (rc={attacker.poll()})"
+        info = json.loads(line)
+
+        def send(req: dict) -> dict:
+            attacker.stdin.write(json.dumps(req) + "\n")
+            attacker.stdin.flush()
+            got = json.loads(attacker.stdout.readline())
+            assert got["ok"], (req, got)
+            return got
+
+        with d.client() as c:
+            tiers = {t["name"]: t["index"] for t in c.request("tiers")["tiers"]}
+        assert "swap" in tiers, tiers
+        watcher = Progress(d.sock)
+        watcher.start()
+        time.sleep(0.2)
+
+        # 1. The request itself: 128 parts of 8 Ki blocks, other clients
+        #    answered between them (before: one handler call of 1 Mi blocks,
+        #    at most the one answer already in flight). Best of three: a
+        #    busy host may keep the watcher off the CPU for a while.
+        during = []
+        for _ in range(3):
+            got = send({"op": "migrate", "tier": tiers["dram"]})
+            assert got["result"]["queued"] == BIG and got["result"]["unmapped"] == 0, got
+            during.append(len([t for t in watcher.answers if got["t0"] < t < got["t1"]]))
+            if during[-1] >= 8:
+                break
+        assert max(during) >= 8, f"answers to another client while migrate was handled: {during}"
+
+        # 2. To swap, waiting for the report: the moves go in jobs of 8 Ki
+        #    blocks, and the other client sees the job count go up in steps.
+        jobs0, _ = watcher.now()
+        got = send({"op": "migrate", "tier": tiers["swap"], "wait": True})
+        rep = got["result"]
+        assert rep["blocks"] == BIG and rep["moved"] == TOUCHED and rep["untouched"] == BIG - TOUCHED, rep
+        assert rep["failed"] == 0 and rep["unmapped"] == 0, rep
+        jobs1, _ = watcher.now()
+        assert jobs1 - jobs0 >= BIG // 8192, (jobs0, jobs1)  # at least one job per 8 Ki blocks
+        steps = watcher.between(1, jobs0, jobs1, got["t0"], got["t1"])
+        assert len(steps) >= 8, f"the other client saw the mover's job count at {sorted(steps)} only"
+        print(f"answers during migrate's handling: {during}; job counts seen during migrate wait: {len(steps)}")
+        assert _swapped(attacker.pid, info["addr"], BIG // STRIDE) == TOUCHED
+
+        # 3. The pages come back (the owner reads them); the table still
+        #    says swap until `measure` has every page looked at again, in
+        #    jobs of 64 Ki pages the other client is answered between.
+        send({"touch": True})
+        _, full0 = watcher.now()
+        t0 = time.monotonic()
+        got = send({"op": "measure"})
+        assert got["result"] == {"queued": BIG}
+        wait_for(lambda: watcher.now()[1] >= full0 + BIG, "the whole region measured again")
+        steps = watcher.between(2, full0, full0 + BIG, t0, time.monotonic())
+        assert len(steps) >= 4, f"the other client saw the blocks measured at {sorted(steps)} only"
+        print(f"measured-block counts seen while measuring: {len(steps)}")
+        with d.client() as c:
+            (reg,) = [r for r in c.regions() if r["id"] == info["region"]]
+        assert reg["blocks_by_tier"].get(str(tiers["dram"])) == TOUCHED, reg["blocks_by_tier"]
+        assert str(tiers["swap"]) not in reg["blocks_by_tier"], reg["blocks_by_tier"]
+
+        # 4. `explain` runs the policy over a copy of the whole table (0.4 s
+        #    of the loop at 1 Mi blocks before): on its own thread now, the
+        #    other client answered meanwhile.
+        during = []
+        for _ in range(3):
+            got = send({"op": "explain", "block": STRIDE})
+            text = got["result"]["text"]
+            assert f"index {STRIDE}," in text and f"tier: {tiers['dram']} (dram)" in text and "plan:" in text, text
+            during.append(len([t for t in watcher.answers if got["t0"] < t < got["t1"]]))
+            if during[-1] >= 8:
+                break
+        assert max(during) >= 8, f"answers to another client while explain ran: {during}"
+        print(f"answers during explain: {during}")
     finally:
         if watcher is not None:
             watcher.stop.set()

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvtier import engine as engine_mod
 from kvtier import policy as pol
 from kvtier.blocks import F_NOT_PRESENT, F_STALE, F_UNMOVABLE, STUCK_LOCKED, BlockTable
 from kvtier.engine import OPERATOR_ATTEMPTS, Engine
@@ -401,6 +402,73 @@ def test_operator_moves_are_made_and_counted(rig):
     assert (r.kernel.where(3) == SWAP).all()
     assert r.stats.migrations[(DRAM, SWAP_TIER)] == 3
     assert r.engine.status()["manual_moves_pending"] == 0
+
+
+def _run_until(r: Rig, done) -> None:
+    """Run the event loop, no tick, until ``done()``."""
+    async def go():
+        for _ in range(2000):
+            if done():
+                return
+            await asyncio.sleep(0.001)
+        raise AssertionError("condition not reached without a tick")
+
+    r.loop.run_until_complete(go())
+
+
+def test_operator_moves_go_in_batches_one_job_after_another(rig, monkeypatch):
+    """Kills: a job taking every queued operator move at once (a whole 1
+    Mi-block region's migrate was one job: 1.4 s of the loop to build it),
+    the next batch waiting for the next tick instead of following the job
+    that ends, or a ticket reporting before its request has added its last
+    part (a large migrate adds them a loop iteration at a time)."""
+    monkeypatch.setattr(engine_mod, "MANUAL_JOB_BLOCKS", 3)
+    r = rig(8, capacity={DRAM: 64 * BLOCK})
+    r.settle()
+    s = r.rows()
+    ticks = r.stats.ticks_total
+    ticket = r.engine.open_move(s, SWAP_TIER, wait=True)
+    r.engine.add_move(ticket, np.arange(s.start, s.start + 4))
+    pageouts = lambda: [blocks for op, blocks in r.kernel.calls if op == "pageout"]  # noqa: E731
+    _run_until(r, lambda: len(pageouts()) == 2 and not r.engine.mover.busy)
+    assert pageouts() == [[0, 1, 2], [3]]
+    assert not ticket.future.done()  # its request may add more
+    r.engine.add_move(ticket, np.arange(s.start + 4, s.stop))
+    r.engine.close_move(ticket)
+    _run_until(r, ticket.future.done)
+    assert pageouts() == [[0, 1, 2], [3], [4, 5, 6], [7]]
+    rep = ticket.future.result()
+    assert (rep["blocks"], rep["moved"], rep["failed"]) == (8, 8, 0)
+    assert r.tiers() == [SWAP_TIER] * 8
+    assert r.stats.ticks_total == ticks  # all of it between ticks
+
+
+def test_a_full_remeasurement_runs_in_bounded_jobs_one_after_another(rig, monkeypatch):
+    """Kills: one measuring job for every stale block (a `measure` of a 1
+    Mi-block region built a 1 Mi-page job: 1.5 s of the loop), or the next
+    job waiting for the next tick instead of following the one that ends."""
+    monkeypatch.setattr(engine_mod, "URGENT_JOB_PAGES", 2 * PPB)
+    r = rig(8, capacity={DRAM: 64 * BLOCK})
+    r.settle()
+    r.kernel.loc[: 8 * PPB] = SWAP  # all of it went out behind the table's back
+    scans, full, ticks = r.stats.residency_scans_total, r.stats.residency_full_blocks_total, r.stats.ticks_total
+    assert r.engine.request_measure(r.rows()) == 8
+    _run_until(r, lambda: r.stats.residency_full_blocks_total - full >= 8 and not r.engine.measurer.busy)
+    assert r.stats.residency_scans_total - scans == 4  # 2 blocks of pages a job
+    assert r.tiers() == [SWAP_TIER] * 8
+    assert r.stats.ticks_total == ticks
+
+
+def test_explain_on_its_own_thread_says_what_explain_says(rig):
+    """Kills: explain_soon explaining another row than the region's block,
+    or losing what the engine adds to the policy's account."""
+    r = rig(8, capacity={DRAM: 64 * BLOCK})
+    other = r.registry.add(PID, BASE + 8 * BLOCK, 4 * BLOCK, BLOCK, name="other").id
+    r.settle()
+    fut = r.engine.explain_soon(other, 2)
+    _run_until(r, fut.done)
+    assert fut.result() == r.engine.explain(r.rows(other).start + 2)
+    assert f"region {other} index 2," in fut.result()
 
 
 def test_a_block_never_written_is_not_moved_nor_failed(rig):
