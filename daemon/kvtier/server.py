@@ -1138,10 +1138,17 @@ class _MigrateSteps:
     def answer(self, wait: bool) -> Any:
         """The answer once every part is queued (and the ticket closed)."""
         api, reg = self.api, self.reg
-        if self.whole and self.checked:
+        if self.checked:
             api.registry.get(reg.id)  # not_found if it went away since the last part
-            if not api.engine.mapping_seen(reg.id, self.unmapped):
-                api.registry.get(reg.id)  # dropped, none of it mapped: raises not_found with the reason
+            if self.whole:
+                dropped = not api.engine.mapping_seen(reg.id, self.unmapped)
+            else:
+                # Blocks named and none of them mapped: is any of the region
+                # left? (One pass over it, only then.)
+                dropped = bool(self.unmapped and not self.queued
+                               and api.engine.check_mapping([reg.id]).get(reg.id, True) is None)
+            if dropped:
+                api.registry.get(reg.id)  # none of it mapped: raises not_found with the reason
         extra = {"unmapped": self.unmapped, "unmapped_blocks": self.ranges}
         if wait:
             fut = asyncio.get_running_loop().create_future()
