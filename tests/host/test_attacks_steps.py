@@ -7,9 +7,9 @@ Before the fix one ~30-byte request naming no ``blocks`` (phase, pin,
 release, measure...) made the loop work for hundreds of ms to seconds in
 one go, and every other client's request waited all that time. Now such an
 op runs OP_STEP_BLOCKS blocks per loop iteration: the other client is
-answered between the steps. Not a timed assertion on an absolute speed:
-the longest wait of the other client's answers is compared with the op's
-own duration, measured in the same run.
+answered between the steps. Not a timed assertion: the other client's
+answers that arrive while the op runs are counted (before: the one already
+in flight at most; a 4 Mi-block op is 512 steps now).
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from test_daemon import DROP, PY, DaemonProc, wait_for, workdir  # noqa: F401  (
 pytestmark = pytest.mark.root
 
 NBLOCKS = 4 << 20
+# answers to another client while one whole-region op runs, at least
+MIN_ANSWERS = 4
 
 # As nobody: maps NBLOCKS untouched 4 KiB pages, registers them, says the
 # region; then per stdin line (a request without id and region) sends it
@@ -123,30 +125,29 @@ def test_whole_region_ops_on_a_huge_region_do_not_hold_other_clients(workdir):
         time.sleep(0.2)
         seen = {}
         for op in OPS:
-            # The best of three: a gap can also be this busy host preempting
-            # the daemon; an op holding the loop makes every try's gap its
-            # whole duration.
-            ratios = []
+            # The best of three: a busy host may keep the watcher off the
+            # CPU for a while; an op holding the loop gets at most the one
+            # answer in flight in every try.
+            tries = []
             for _ in range(3):
                 attacker.stdin.write(json.dumps(op) + "\n")
                 attacker.stdin.flush()
                 got = json.loads(attacker.stdout.readline())
                 assert got["ok"], (op, got)
-                took = got["t1"] - got["t0"]
-                wait = watcher.longest_wait(got["t0"], got["t1"])
-                ratios.append((wait / took, wait, took))
-                if wait < took / 4:
+                answers = len([t for t in watcher.answers if got["t0"] < t < got["t1"]])
+                tries.append((answers, watcher.longest_wait(got["t0"], got["t1"]), got["t1"] - got["t0"]))
+                if answers >= MIN_ANSWERS:
                     break
-            seen[json.dumps(op)] = (got["result"], min(ratios))
-        bad = {k: v for k, v in seen.items() if v[1][0] >= 0.25}
-        assert not bad, f"another client waited a quarter of the op or more (ratio, wait s, op s): {bad}"
+            seen[json.dumps(op)] = (got["result"], max(tries))
+        bad = {k: v[1] for k, v in seen.items() if v[1][0] < MIN_ANSWERS}
+        assert not bad, f"another client got under {MIN_ANSWERS} answers during the op (answers, wait s, op s): {bad}"
         # Same answers as before the steps: every block counted once.
         assert seen[json.dumps(OPS[0])][0] == {"blocks": NBLOCKS}
         assert seen[json.dumps({"op": "pin"})][0] == {"blocks": NBLOCKS}
         assert seen[json.dumps({"op": "measure"})][0] == {"queued": NBLOCKS}
         rel = seen[json.dumps({"op": "release"})][0]
         assert sum(rel.values()) == NBLOCKS, rel
-        print({k: (round(v[1][1], 4), round(v[1][2], 4)) for k, v in seen.items()})
+        print({k: (v[1][0], round(v[1][1], 4), round(v[1][2], 4)) for k, v in seen.items()})
     finally:
         if watcher is not None:
             watcher.stop.set()
