@@ -11,12 +11,12 @@
 
 Blocking I/O on one socket for calls, no background thread (an inference
 engine's process should not grow threads behind its back). Hints never
-block the engine. By default the first hint of a connection asks for a
-shared-memory hint ring (op ``hint_ring``, kvtier.hintring): hints without
-counts are then stores into memory the daemon drains, no system call
-(``Client(hint_ring=False)`` turns that off; rejected entries surface in
-``flush()``). Otherwise, and for hints with counts or that do not fit in a
-full ring, ``hint`` appends to a batch; a full or old batch is sent
+block the engine: ``hint`` appends to a batch. By default the first batch
+of a connection asks for a shared-memory hint ring (op ``hint_ring``,
+kvtier.hintring), and batches without counts are then one copy into memory
+the daemon drains, no system call (``Client(hint_ring=False)`` turns that
+off; rejected hints surface in ``flush()``). Otherwise, and for batches
+with counts or that do not fit in a full ring, a full or old batch is sent
 with non-blocking writes (what the socket cannot take now stays queued and
 goes with the next batch), answers are read when they have arrived, and
 errors surface later in ``async_errors`` / ``flush()``. If the daemon is so
@@ -50,11 +50,12 @@ ENV_SOCKET = "KVTIER_SOCKET"
 # Unanswered pipelined requests before the client stops to read answers, so
 # neither side's socket buffer fills up while the other waits.
 MAX_IN_FLIGHT = 64
-# Ring hints make no system call, so nothing tells the client that the
-# daemon went away (restarted): every this many ring hints one non-blocking
-# read of the socket does (EOF), and the hints the old ring still held are
-# sent on the socket after the reconnect.
-RING_CHECK_CALLS = 64
+# A batch into the hint ring makes no system call, so nothing tells the
+# client that the daemon went away (restarted): every this many batches
+# (~3 s at one per hint_interval) one non-blocking read of the socket does
+# (EOF), and the hints the old ring still held go on the socket after the
+# reconnect, so none is lost.
+RING_CHECK_BATCHES = 16
 MAX_CLOCK_STRIDE = 16  # hint calls between clock reads, at most (Region.hint): bounds how late a batch
 # goes out when the engine suddenly hints far less often
 _RING_BAD = (hintring.BAD_REGION, hintring.BAD_BLOCK, hintring.BAD_HEAD)
@@ -264,6 +265,7 @@ class Region:
         self._sent_at = -math.inf  # when the last batch left (about: the clock read before it)
         self._first_pending = 0.0
         self.closed = False
+        self._ring_word = hintring.region_word(self.id)  # names this region in the hint ring
         self.memory: PoolMemory | None = None  # set by Client.allocate
         self.placement: dict = {k: info[k] for k in ("tier", "tier_name", "node", "reason", "pinned") if k in info}
 
@@ -293,18 +295,6 @@ class Region:
         pending or the oldest is ``hint_interval`` seconds old. The blocks are
         copied at once (the caller may reuse its array); a 1-D array of
         ``protocol.BLOCKS_DTYPE`` (uint32) is the cheapest to pass."""
-        if counts is None and type(blocks) is np.ndarray and blocks.dtype is _BLOCKS_DTYPE:
-            # With the connection's shared-memory ring: two slice stores and
-            # a head store, no system call (kvtier.hintring). A full ring
-            # falls through to the socket batch below.
-            ring = self.client.ring
-            if ring is None and self.client._ring_wanted:
-                ring = self.client._open_ring()
-            if ring is not None and ring.put(self.id, blocks if blocks.ndim == 1 else blocks.ravel()):
-                self.client._ring_countdown -= 1
-                if self.client._ring_countdown <= 0:
-                    self.client._ring_check()
-                return
         if counts is None and type(blocks) is np.ndarray and blocks.dtype is _BLOCKS_DTYPE \
                 and self._cparts is None:
             # The engine's own call, between decode steps: a copy (C order,
@@ -326,15 +316,6 @@ class Region:
         k = b.size
         if not k:
             return
-        if counts is None and b is not blocks:  # (an uint32 array came through hint() already)
-            ring = self.client.ring
-            if ring is None and self.client._ring_wanted:
-                ring = self.client._open_ring()
-            if ring is not None and ring.put(self.id, b):
-                self.client._ring_countdown -= 1
-                if self.client._ring_countdown <= 0:
-                    self.client._ring_check()
-                return
         if counts is not None:
             c = np.asarray(counts, dtype=protocol.COUNTS_DTYPE).ravel()
             if c.size != k:
@@ -406,10 +387,14 @@ class Region:
         return b, b"".join(ones(len(p)) if cp is None else cp for p, cp in zip(parts, cparts))
 
     def flush(self) -> None:
-        """Send the pending hints now (without waiting for the daemon)."""
+        """Send the pending hints now (without waiting for the daemon): into
+        the connection's hint ring if it has one and room, else (and for
+        hints with counts) on the socket."""
         if not self._pending:
             return
         b, c = self._take()
+        if c is None and self.client._ring_put(self._ring_word, b):
+            return
         # Stay under the daemon's frame limit: 8 bytes per entry (index +
         # count) plus a little for the map around them. Packed bytes are
         # cut as they are: 4 bytes per entry in both.
@@ -639,7 +624,7 @@ class Client:
         self.ring_error: KvtierClientError | None = None  # why the last ask failed
         self._ring_synced = 0  # ring head the daemon's counters were last read at
         self._ring_counts: dict = {}  # those counters
-        self._ring_countdown = RING_CHECK_CALLS  # ring hints before the next look at the socket
+        self._ring_countdown = RING_CHECK_BATCHES  # ring batches before the next look at the socket
         if connect:
             self.connect()
 
@@ -741,19 +726,39 @@ class Client:
                 os.close(fd)
         return self.ring
 
-    def _requeue(self, entries: np.ndarray) -> None:
-        """Ring entries as hint frames in the socket queue, one per region."""
-        if not entries.size:
-            return
-        regions = entries["region"]
+    def _requeue(self, hints: tuple[np.ndarray, np.ndarray]) -> None:
+        """Ring hints (regions, blocks) as hint frames in the socket queue, one per region."""
+        regions, blocks = hints
         for rid in np.unique(regions).tolist():
-            blocks = np.ascontiguousarray(entries["block"][regions == rid])
-            self._queue_hint(protocol.Hint(region=rid, blocks=blocks.tobytes()), int(blocks.size))
+            if rid:  # 0: before any region word (a ring written by hand)
+                b = blocks[regions == rid]
+                self._queue_hint(protocol.Hint(region=rid, blocks=b.tobytes()), int(b.size))
+
+    def _ring_put(self, word: int, packed: bytes) -> bool:
+        """A region's batch of packed block indices into the ring (asked
+        for at the first batch of a connection); False: no ring, no room, or
+        an index >= 2**31 (it would read as a region word there; the socket
+        refuses such a batch with an error)."""
+        ring = self.ring
+        if ring is None:
+            if not self._ring_wanted:
+                return False
+            ring = self._open_ring()
+            if ring is None:
+                return False
+        if not packed or int(np.frombuffer(packed, dtype=protocol.BLOCKS_DTYPE).max()) >= hintring.REGION_BIT:
+            return False
+        if not ring.put(word, packed):
+            return False
+        self._ring_countdown -= 1
+        if self._ring_countdown <= 0:
+            self._ring_check()
+        return True
 
     def _ring_check(self) -> None:
-        """Every RING_CHECK_CALLS ring hints: answers that came are read
+        """Every RING_CHECK_BATCHES ring batches: answers that came are read
         and a daemon that went away is noticed (non-blocking, one read)."""
-        self._ring_countdown = RING_CHECK_CALLS
+        self._ring_countdown = RING_CHECK_BATCHES
         try:
             self._poll_answers(always=True)
         except (ConnectionError, socket.timeout):

@@ -228,8 +228,9 @@ OPTIONS: tuple[Option, ...] = (
            "Token bucket depth: requests a connection may send at once.", 1, 1 << 30),
     Option("limits", "max_connections", int, 1024, "Open client connections.", 1, 1 << 20),
     Option("limits", "hint_ring_entries", int, hintring.DEFAULT_ENTRIES,
-           "Largest shared-memory hint ring one connection may ask for, in 8-byte entries (rounded "
-           "down to a power of two; 64 Ki = 516 KiB of memfd per ring); 0 refuses rings.", 0, 1 << 24),
+           "Largest shared-memory hint ring one connection may ask for, in 4-byte words (about one "
+           "per block hint; rounded down to a power of two; 128 Ki = 516 KiB of memfd per ring); "
+           "0 refuses rings.", 0, 1 << 24),
     Option("limits", "max_connections_per_uid", int, 128,
            "Open connections of one user id.", 1, 1 << 20),
     Option("limits", "reserved_connections", int, 16,

@@ -182,7 +182,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "kvtier_hinted_blocks": ("counter", (), "Block indices received in hint requests."),
     "kvtier_hint_rings": ("gauge", (), "Open shared-memory hint rings (one per connection that asked)."),
     "kvtier_hint_ring_entries": ("counter", ("result",),
-                                 "Entries drained from hint rings: accepted, bad_region (no such region, or "
+                                 "Hints (block-index words) drained from hint rings: accepted, bad_region (no such region, or "
                                  "not the connection's to hint), bad_block (index out of range), bad_head "
                                  "(drains skipped: the client's head was not within capacity of the tail)."),
     "kvtier_source_events": ("counter", ("source", "event"),

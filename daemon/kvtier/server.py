@@ -207,7 +207,7 @@ class FdFrame(bytes):
     done: Callable[[bool], None] = staticmethod(lambda sent: None)
 
 
-# Ring entries of more distinct regions than this in one drain are first
+# Ring hints of more distinct regions than this in one drain are first
 # matched against the regions the connection may hint, with one isin: a
 # ring full of made-up region ids then costs a sort, not a lookup each.
 RING_REGIONS_DIRECT = 64
@@ -813,7 +813,7 @@ class ControlAPI:
     @staticmethod
     def _ring_answer(ring: hintring.DaemonRing, new: bool) -> dict:
         return {"new": new, "entries": ring.capacity, "bytes": hintring.ring_bytes(ring.capacity),
-                "entry_size": hintring.ENTRY_SIZE, "entries_offset": hintring.ENTRIES_OFFSET,
+                "word_size": hintring.WORD_SIZE, "words_offset": hintring.WORDS_OFFSET,
                 "tail": ring.consumed,
                 **{k: ring.counts[k] for k in (hintring.ACCEPTED, hintring.BAD_REGION, hintring.BAD_BLOCK,
                                                hintring.BAD_HEAD)}}
@@ -845,18 +845,17 @@ class ControlAPI:
             self.stats.hint_ring_entries[result] += n
 
     def _drain_ring(self, peer: Peer, ring: hintring.DaemonRing) -> None:
-        """Apply what the client published: its entries, copied out of the
-        shared memory by ``take``, validated as the socket's hint op
-        validates (a region this connection may hint, a block in range),
-        entry by entry: the bad ones are counted and dropped, the rest
-        applied. Work per drain is bounded by the ring's capacity."""
-        entries = ring.take()
+        """Apply what the client published: its hints, copied out of the
+        shared memory and decoded by ``take``, validated as the socket's
+        hint op validates (a region this connection may hint, a block in
+        range), hint by hint: the bad ones are counted and dropped, the
+        rest applied. Work per drain is bounded by the ring's capacity."""
+        regions, blocks = ring.take()
         if ring.bad_heads != ring.bad_heads_seen:
             self._count_ring(ring, hintring.BAD_HEAD, ring.bad_heads - ring.bad_heads_seen)
             ring.bad_heads_seen = ring.bad_heads
-        if not entries.size:
+        if not regions.size:
             return
-        regions, blocks = entries["region"], entries["block"]
         if (regions == regions[0]).all():
             groups = [(int(regions[0]), blocks)]
         else:

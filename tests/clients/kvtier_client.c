@@ -12,7 +12,7 @@
  *   an overlapping register -> `overlap`; HINT_FRAMES hints sent in one
  *   go without reading (one of them bad -> `invalid_argument`, the others
  *   answered in order); a hint ring (hint_ring: the memfd by SCM_RIGHTS,
- *   sealed; entries published across the wrap, one of them bad, counted);
+ *   sealed; hints published across the wrap, one of them bad, counted);
  *   phase; query until measured, and a short page;
  *   blocks; stats; tiers; migrate with wait (to swap and back when the
  *   daemon has a swap tier, else to tier 0); with a swap tier, an
@@ -49,8 +49,8 @@
 #define NBLOCKS 8
 #define HINT_FRAMES 40
 #define BAD_HINT_AT 17 /* the pipelined hint frame that names a block past the end */
-#define RING_ENTRIES 256 /* the hint ring asked for */
-#define RING_FIRST 200   /* entries published before the first drain; then RING_SECOND, across the wrap */
+#define RING_ENTRIES 256 /* the hint ring asked for, in words */
+#define RING_FIRST 200   /* hints published before the first drain; then RING_SECOND, across the wrap */
 #define RING_SECOND 100
 
 static int failures;
@@ -1027,8 +1027,8 @@ int main(int argc, char **argv)
         CHECK(r && r->type == T_MAP, "hint_ring: no result");
         const node *isnew = get(r, "new");
         CHECK(isnew && isnew->type == T_BOOL && isnew->b, "hint_ring: the first answer is not new");
-        CHECK(uget(r, "entries", 0) == RING_ENTRIES && uget(r, "entry_size", 0) == 8 &&
-              uget(r, "entries_offset", 0) == 4096 && uget(r, "bytes", 0) == 4096 + 8 * RING_ENTRIES,
+        CHECK(uget(r, "entries", 0) == RING_ENTRIES && uget(r, "word_size", 0) == 4 &&
+              uget(r, "words_offset", 0) == 4096 && uget(r, "bytes", 0) == 4096 + 4 * RING_ENTRIES,
               "hint_ring: layout entries %llu bytes %llu", (unsigned long long)uget(r, "entries", 0),
               (unsigned long long)uget(r, "bytes", 0));
         CHECK(ring_fd >= 0, "hint_ring: the answer carried no fd");
@@ -1042,28 +1042,29 @@ int main(int argc, char **argv)
         CHECK(ftruncate(ring_fd, 0) < 0 && errno == EPERM, "hint ring: ftruncate to 0 was not refused (EPERM)");
         close(ring_fd);
         CHECK(memcmp(ring, "KVTRING1", 8) == 0, "hint ring: magic");
-        CHECK(le32(ring + 8) == 1 && le32(ring + 12) == 8 && le32(ring + 16) == RING_ENTRIES && le32(ring + 20) == 4096,
-              "hint ring: header version %u entry_size %u capacity %u offset %u", le32(ring + 8), le32(ring + 12),
+        CHECK(le32(ring + 8) == 1 && le32(ring + 12) == 4 && le32(ring + 16) == RING_ENTRIES && le32(ring + 20) == 4096,
+              "hint ring: header version %u word_size %u capacity %u offset %u", le32(ring + 8), le32(ring + 12),
               le32(ring + 16), le32(ring + 20));
         uint64_t *head = (uint64_t *)(ring + 64), *tail = (uint64_t *)(ring + 128);
-        uint32_t *ent = (uint32_t *)(ring + 4096);
+        uint32_t *words = (uint32_t *)(ring + 4096);
         uint64_t h = 0; /* our head */
         int rounds[2] = {RING_FIRST, RING_SECOND};
         for (int round = 0; round < 2; round++) {
-            int n = rounds[round] + round; /* the second round adds one bad entry */
+            /* a region word, then one word per hint; the second round adds one bad hint */
+            int n = 1 + rounds[round] + round;
             CHECK(h + (uint64_t)n - __atomic_load_n(tail, __ATOMIC_ACQUIRE) <= RING_ENTRIES,
-                  "hint ring: no room for %d entries", n);
+                  "hint ring: no room for %d words", n);
             for (int i = 0; i < n; i++) {
-                uint64_t slot = (h + (uint64_t)i) & (RING_ENTRIES - 1);
-                uint32_t block = (uint32_t)((h + (uint64_t)i) % NBLOCKS);
-                if (round == 1 && i == n - 1) {
-                    block = NBLOCKS; /* past the end: counted as bad_block, not applied */
+                uint32_t w = (uint32_t)(i % NBLOCKS);
+                if (i == 0) {
+                    w = 0x80000000u | (uint32_t)region; /* bit 31: the region of the words after it */
+                } else if (round == 1 && i == n - 1) {
+                    w = NBLOCKS; /* past the end: counted as bad_block, not applied */
                 } else {
                     hinted++;
-                    per_block[block]++;
+                    per_block[w]++;
                 }
-                ent[2 * slot] = (uint32_t)region;
-                ent[2 * slot + 1] = block;
+                words[(h + (uint64_t)i) & (RING_ENTRIES - 1)] = w;
             }
             h += (uint64_t)n;
             __atomic_store_n(head, h, __ATOMIC_RELEASE);

@@ -58,9 +58,11 @@ def test_ring_hints_reach_the_block_table_before_the_next_request(slow_drain):
             region.hint(hot)
         region.hint(np.array([[7, 8]], dtype=np.uint32))  # any shape: C order
         region.hint([9, 9])  # not an uint32 array: converted, still the ring
-        assert c.ring is not None, c.ring_error
+        assert c.ring is not None, c.ring_error  # made for the first batch (the first hint leaves at once)
         assert daemon_rings(d) == 1
-        # stats is a request of this connection: the ring is drained before it.
+        # flush puts the batch in the ring and asks the daemon (hint_ring, a
+        # request of this connection) for its counters: drained before that.
+        assert c.flush() == []
         st = c.stats()
         assert st["hint_ring_entries"] == {"accepted": 44}
         assert st["block_hints_total"] == 44 and "hint" not in st["requests"]
@@ -69,7 +71,9 @@ def test_ring_hints_reach_the_block_table_before_the_next_request(slow_drain):
         assert t[9] == pytest.approx(2 * t[7], rel=1e-3)
         cold = np.setdiff1d(np.arange(32), [3, 4, 5, 30, 7, 8, 9])
         assert (t[cold] == 0).all()
-        # A hint written just before a phase "free" is applied before it, not after.
+        # A hint written just before a phase "free" is applied before it, not
+        # after: phase() puts the pending batch in the ring, and the daemon
+        # drains it before the phase request.
         region.hint(np.array([10, 11], dtype=np.uint32))
         region.phase("free", [10, 11])
         assert (temps(c, region.id)[[10, 11]] == 0).all()
@@ -123,24 +127,25 @@ except OSError as e:
     shrink = e.errno
 m = mmap.mmap(fd, hintring.ring_bytes(1024))
 head = np.frombuffer(m, dtype="<u8", count=1, offset=hintring.OFF_HEAD)
-ent = np.frombuffer(m, dtype=hintring.ENTRY_DTYPE, count=1024, offset=hintring.ENTRIES_OFFSET)
-def publish(rows, at):
-    ent[at:at + len(rows)] = rows
-    head[0] = at + len(rows)
-    return at + len(rows)
+words = np.frombuffer(m, dtype="<u4", count=1024, offset=hintring.WORDS_OFFSET)
+R = hintring.region_word
+def publish(ws, at):
+    words[at:at + len(ws)] = ws
+    head[0] = at + len(ws)
+    return at + len(ws)
 def counters():
     r = c.request("hint_ring")
     return {k: r[k] for k in ("accepted", "bad_region", "bad_block", "bad_head")}
 out = {"shrink": shrink}
-h = publish([(own, 3)] * 5 + [(victim, 0)] * 7 + [(999999, 1)] * 11 + [(own, 16)] * 2 + [(own, 1 << 31)], 0)
+h = publish([R(own)] + [3] * 5 + [R(victim)] + [0] * 7 + [R(999999)] + [1] * 11 + [R(own), 16, 16, 1000], 0)
 out["mixed"] = counters()
-h = publish([(1000 + i, 0) for i in range(200)], h)  # many made-up regions at once
+h = publish([w for i in range(200) for w in (R(1000 + i), 0)], h)  # many made-up regions at once
 out["made_up"] = counters()
 head[0] = h + 5000  # more than the capacity ahead of the tail
 out["ahead"] = counters()
 head[0] = 3  # behind the tail
 out["behind"] = counters()
-publish([(own, 4)] * 4, 3)  # the daemon carries on from the last head it was given
+publish([R(own)] + [4] * 4, 3)  # the daemon carries on from the last head it was given
 out["after"] = counters()
 out["daemon_total"] = c.stats()["hint_ring_entries"]
 print(json.dumps(out))

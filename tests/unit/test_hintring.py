@@ -22,45 +22,68 @@ def ends():
     daemon.close()
 
 
+def packed(*ids: int) -> bytes:
+    return np.array(ids, dtype="<u4").tobytes()
+
+
 def test_what_the_client_puts_the_daemon_takes_across_the_wrap(ends):
     daemon, client = ends
     assert client.capacity == 64
-    for start in (0, 40, 80):  # the second and third puts cross the end of the entries
-        ids = np.arange(start, start + 40, dtype=np.uint32)
-        assert client.put(7, ids)
-        got = daemon.take()
-        assert got["region"].tolist() == [7] * 40 and got["block"].tolist() == ids.tolist()
+    for start in (0, 40, 80):  # the second and third puts cross the end of the words
+        ids = list(range(start, start + 39))
+        assert client.put(hintring.region_word(7), packed(*ids))  # a region word and 39 indices
+        regions, blocks = daemon.take()
+        assert regions.tolist() == [7] * 39 and blocks.tolist() == ids
         assert client.unconsumed() == 0
-    assert daemon.take().size == 0
+    assert daemon.take()[0].size == 0
+
+
+def test_the_region_word_holds_until_the_next_one_across_drains(ends):
+    daemon, client = ends
+    client.put(hintring.region_word(3), packed(1, 2))
+    client.put(hintring.region_word(5), packed(9))
+    assert [a.tolist() for a in daemon.take()] == [[3, 3, 5], [1, 2, 9]]
+    client.words[client.written & client.mask] = 4  # a block word with no region word before it
+    client.written += 1
+    client.head[0] = client.written
+    assert [a.tolist() for a in daemon.take()] == [[5], [4]]  # region 5 still in force
+
+
+def test_block_words_before_any_region_word_have_no_region(ends):
+    daemon, client = ends
+    client.words[0] = 1
+    client.head[0] = 1
+    assert [a.tolist() for a in daemon.take()] == [[0], [1]]  # region 0: none (the daemon counts bad_region)
 
 
 def test_a_full_ring_refuses_and_takes_again_once_drained(ends):
     daemon, client = ends
-    assert client.put(1, np.arange(60, dtype=np.uint32))
-    assert not client.put(1, np.arange(5, dtype=np.uint32))  # 65 > 64: nothing written
+    word = hintring.region_word(1)
+    assert client.put(word, packed(*range(59)))  # 60 words
+    assert not client.put(word, packed(*range(4)))  # 65 > 64: nothing written
     assert client.full == 1 and client.unconsumed() == 60
-    assert daemon.take().size == 60
-    assert client.put(1, np.arange(5, dtype=np.uint32))
-    assert daemon.take()["block"].tolist() == [0, 1, 2, 3, 4]
+    assert daemon.take()[1].size == 59
+    assert client.put(word, packed(*range(4)))
+    assert daemon.take()[1].tolist() == [0, 1, 2, 3]
 
 
 def test_the_daemon_copies_before_the_client_can_change_it(ends):
     daemon, client = ends
-    client.put(3, np.array([5, 6], dtype=np.uint32))
-    got = daemon.take()
-    client.entries["block"][:2] = 99  # the client writes again after the drain
-    assert got["block"].tolist() == [5, 6]
+    client.put(hintring.region_word(3), packed(5, 6))
+    regions, blocks = daemon.take()
+    client.array[:3] = 99  # the client writes again after the drain
+    assert blocks.tolist() == [5, 6] and regions.tolist() == [3, 3]
 
 
 def test_a_head_out_of_bounds_is_counted_and_skipped(ends):
     daemon, client = ends
-    client.head[0] = 65  # claims more entries than the ring holds
-    assert daemon.take().size == 0 and daemon.bad_heads == 1
+    client.head[0] = 65  # claims more words than the ring holds
+    assert daemon.take()[0].size == 0 and daemon.bad_heads == 1
     client.head[0] = 2  # behind the daemon's tail (which is now 65)
-    assert daemon.take().size == 0 and daemon.bad_heads == 2
-    client.entries[2:4] = [(1, 10), (1, 11)]
-    client.head[0] = 4
-    assert daemon.take()["block"].tolist() == [10, 11]
+    assert daemon.take()[0].size == 0 and daemon.bad_heads == 2
+    client.array[2:5] = [hintring.region_word(1), 10, 11]
+    client.head[0] = 5
+    assert [a.tolist() for a in daemon.take()] == [[1, 1], [10, 11]]
 
 
 def test_the_memfd_cannot_be_shrunk_under_the_daemon(ends):
@@ -69,17 +92,18 @@ def test_the_memfd_cannot_be_shrunk_under_the_daemon(ends):
         os.ftruncate(daemon.fd, 0)
 
 
+def test_what_the_daemon_never_took_can_be_read_back(ends):
+    """A client whose daemon went away sends these on the socket instead."""
+    daemon, client = ends
+    client.put(hintring.region_word(2), packed(*range(50)))
+    daemon.take()
+    client.put(hintring.region_word(2), packed(*range(50, 60)))  # crosses the end of the words
+    client.put(hintring.region_word(4), packed(1))
+    regions, blocks = client.unconsumed_entries()
+    assert blocks.tolist() == list(range(50, 60)) + [1] and regions.tolist() == [2] * 10 + [4]
+
+
 @pytest.mark.parametrize("asked, limit, got", [(0, 65536, 65536), (1000, 65536, 512), (1 << 20, 4096, 4096),
                                                (1, 65536, hintring.MIN_ENTRIES), (100000, 100000, 65536)])
 def test_capacity_is_a_power_of_two_within_the_limit(asked, limit, got):
     assert hintring.capacity_for(asked, limit) == got
-
-
-def test_what_the_daemon_never_took_can_be_read_back(ends):
-    """A client whose daemon went away sends these on the socket instead."""
-    daemon, client = ends
-    client.put(2, np.arange(50, dtype=np.uint32))
-    daemon.take()
-    client.put(2, np.arange(50, 70, dtype=np.uint32))  # crosses the end of the entries
-    left = client.unconsumed_entries()
-    assert left["block"].tolist() == list(range(50, 70)) and (left["region"] == 2).all()
