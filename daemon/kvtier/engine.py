@@ -81,6 +81,16 @@ URGENT_JOB_PAGES = 1 << 16
 MIN_SAMPLE_BLOCKS = 1024
 # Rows per step when looking for stale blocks (stops once enough are found).
 STALE_SCAN_CHUNK = 1 << 16
+# Between ticks, a measuring job for blocks just hinted or observed while not
+# known present starts at most this often: a job costs the loop about a
+# millisecond (build, finish) whatever it measures, and one per hint message
+# was most of the daemon's CPU under a stream of hints (scripts/bench/scale.py,
+# 64 GiB in 1000 regions, 1 M hinted blocks/s: 20 % of a core). The rows
+# marked meanwhile wait in one merged set for the next job.
+MEASURE_SOON_S = 0.1
+# Rows of that set a job could not fit in its budget stay queued up to this
+# many (the rest stay F_STALE: the tick's stale cursor finds them).
+SOON_KEEP_ROWS = 1024
 # A source over its CPU budget is collected (and sampled) 2, 4, ... up to
 # this many times more slowly.
 MAX_SLOWDOWN = 64
@@ -386,11 +396,15 @@ class Engine:
         self._hinted_regions: frozenset[int] = frozenset()
         self._hinted_at = (-1, -1)
         # Event-driven work between ticks: regions just registered whose
-        # blocks get a first look, a measurement wanted as soon as the
-        # measurer is free, and hot rows seen in a lower tier waiting for
-        # the next loop turn (with the registry generation they belong to).
+        # blocks get a first look, rows just marked stale (hinted or observed
+        # while not known present) merged until a measuring job takes them,
+        # and hot rows seen in a lower tier waiting for the next loop turn
+        # (each with the registry generation its rows belong to).
         self._first_look: list[int] = []
-        self._measure_soon = False
+        self._soon_rows: list[np.ndarray] = []
+        self._soon_gen = -1
+        self._soon_queued = False  # a measure_soon call is on the loop
+        self._soon_at = -math.inf  # loop time of the last job measure_soon started
         self._hot_rows: list[np.ndarray] = []
         self._hot_gen = -1
         self._hot_queued = False
@@ -890,31 +904,52 @@ class Engine:
         self._first_look.append(region_id)
         self.loop.call_soon(self.measure_soon)
 
-    def hinted(self, rows: np.ndarray, unsure: bool) -> None:
+    def hinted(self, rows: np.ndarray, unsure: np.ndarray) -> None:
         """Hints for ``rows`` were just added to their temperatures
-        (``unsure``: some of them are not known to be present, and are
-        F_STALE): measure those as soon as the measurer is free, and
-        promote the hinted blocks found in a lower tier in the next turn."""
-        if unsure:
-            self.measure_soon()
+        (``unsure``: those of them the registry just marked F_STALE, not
+        known to be present): measure those soon, and promote the hinted
+        blocks found in a lower tier in the next turn."""
+        if unsure.size:
+            self._stale_soon(unsure)
         self._hot_soon(rows)
 
-    def measure_soon(self) -> None:
-        """Hand the measurer the first looks and the stale blocks now if it
-        is idle (else its finish calls back here); the rotating sample stays
-        with the ticks."""
-        if self.measurer.busy or not self.topology.tiers or len(self.table) == 0:
-            self._measure_soon = bool(len(self.table))
+    def _stale_soon(self, rows: np.ndarray) -> None:
+        """Add rows just marked F_STALE to the set the next measuring job
+        takes first, and have one started: at once if none started within
+        MEASURE_SOON_S, else when that has passed."""
+        if self._soon_gen != self.registry.generation:
+            self._soon_rows.clear()  # rows of another table layout
+            self._soon_gen = self.registry.generation
+        self._soon_rows.append(rows)
+        self._queue_measure()
+
+    def _queue_measure(self) -> None:
+        if self._soon_queued:
             return
-        self._measure_soon = False
+        self._soon_queued = True
+        wait = self._soon_at + MEASURE_SOON_S - self.loop.time()
+        if wait > 0:
+            self.loop.call_later(wait, self.measure_soon)
+        else:
+            self.loop.call_soon(self.measure_soon)
+
+    def measure_soon(self) -> None:
+        """Hand the measurer the first looks and the rows queued stale
+        between ticks now if it is idle (else its finish queues this again);
+        the rotating sample and the other stale blocks stay with the ticks."""
+        self._soon_queued = False
+        if self.measurer.busy or not self.topology.tiers or len(self.table) == 0:
+            return
+        self._soon_at = self.loop.time()  # a look that found no budget waits too
         job = self._build_measure(self.clock(), sample=False)
         if job is not None:
             self._submit(self.measurer, self._run_measure, self._finish_measure, job)
 
     def _hot_soon(self, rows: np.ndarray) -> None:
         """Queue rows just hinted, observed or placed for ``_promote_hot``
-        in the next loop turn (one look for all that arrive in a turn)."""
-        if rows.size == 0 or len(self.topology.tiers) < 2:
+        in the next loop turn (one look for all that arrive in a turn).
+        Not while DRAM is known to have no room: that look would find none."""
+        if rows.size == 0 or len(self.topology.tiers) < 2 or self._dram_full:
             return
         lower = rows[self.table.tier[rows] > 0]
         if lower.size == 0:
@@ -1526,7 +1561,6 @@ class Engine:
         n = len(t)
         ps = int(self.migrator.page_size)
         dt = 1.0 if self._last_measure_at is None else min(MAX_BUDGET_S, max(0.0, now - self._last_measure_at))
-        self._last_measure_at = now
         urgent = self._urgent
         budget = URGENT_JOB_PAGES if urgent else self.residency_pages_per_s * dt
         S = max(1, int(self.residency_sample_pages))
@@ -1535,19 +1569,32 @@ class Engine:
         #    finds the rest), so the hints that follow find blocks whose tier
         #    is known. Paid apart from the budget: once per registration.
         look_rows = self._first_look_rows(int(self.residency_pages_per_s // S))
-        # 1. stale blocks, whole, in row order from a cursor; at most 3/4 of
-        #    the budget so the rotating sample always advances
+        # 1. stale blocks, whole: first those queued stale between ticks
+        #    (hinted or observed while not known present), then (at a tick)
+        #    the others in row order from a cursor; at most 3/4 of the budget
+        #    so the rotating sample always advances
         full_rows = np.zeros(0, dtype=np.int64)
         # engine-mode blocks have no pages: their owners report their tiers
         cap = budget if urgent else 0.75 * budget
-        # Every block has at least one page: no more than cap + 1 of them fit.
-        stale, complete = self._stale_rows(int(cap) + 1)
+        soon = self._take_soon(n)
+        if sample or urgent:
+            # Every block has at least one page: no more than cap + 1 of them fit.
+            stale, complete = self._stale_rows(int(cap) + 1)
+            if soon.size:
+                stale = np.concatenate([soon, stale[~np.isin(stale, soon)]])
+        else:
+            stale, complete = soon, False
         if stale.size:
             pages = (t.nbytes[stale].astype(np.int64) + ps - 1) // ps
-            k = max(1, int(np.searchsorted(np.cumsum(pages), cap, side="right")))
+            k = int(np.searchsorted(np.cumsum(pages), cap, side="right"))
+            if sample or urgent:
+                k = max(1, k)  # the tick measures one block at least, whatever its size
             full_rows = stale[:k]
-            self._stale_cursor = int(full_rows[-1]) + 1
+            if k > soon.size:
+                self._stale_cursor = int(full_rows[-1]) + 1
             budget -= float(pages[:k].sum())
+            if k < soon.size:
+                self._keep_soon(soon[k:])
             if urgent and complete and k == stale.size:
                 self._urgent = False
         elif urgent:
@@ -1577,7 +1624,8 @@ class Engine:
             win_rows = np.concatenate([look_rows, win_rows])
         rows = np.concatenate([full_rows, win_rows])
         if rows.size == 0:
-            return None
+            return None  # nothing measured: the budget keeps accruing
+        self._last_measure_at = now
         full = np.zeros(rows.size, dtype=bool)
         full[: full_rows.size] = True
         addr = t.addr[rows].copy()
@@ -1600,6 +1648,21 @@ class Engine:
             addr=addr, nbytes=nbytes, full=full, window=window, lut=topo.node_tier_lut(),
             ntiers=len(topo.tiers), swap_index=None if swap is None else swap.index, started=now,
         )
+
+    def _take_soon(self, n: int) -> np.ndarray:
+        """The rows queued stale between ticks, once each, that are still
+        stale and have pages to measure; the queue is emptied."""
+        parts, self._soon_rows = self._soon_rows, []
+        if not parts or self._soon_gen != self.registry.generation:
+            return np.zeros(0, dtype=np.int64)
+        rows = np.unique(np.concatenate(parts).astype(np.int64, copy=False))
+        rows = rows[rows < n]
+        return rows[(self.table.flags[rows] & np.uint8(F_STALE | F_ENGINE)) == np.uint8(F_STALE)]
+
+    def _keep_soon(self, rows: np.ndarray) -> None:
+        """Queued rows a job had no budget for: first in line for the next
+        (up to SOON_KEEP_ROWS; the rest wait for the stale cursor)."""
+        self._soon_rows.insert(0, rows[:SOON_KEEP_ROWS])
 
     def _first_look_rows(self, max_blocks: int) -> np.ndarray:
         """Rows of the regions registered since the last measurement whose
@@ -1744,8 +1807,10 @@ class Engine:
         if suspect:
             self.check_mapping(suspect)
         self._record_placements("seen")
-        if self._measure_soon or self._first_look or self._urgent:
+        if self._urgent:
             self.loop.call_soon(self.measure_soon)  # an operator's full re-measurement: its next job now
+        elif self._soon_rows or self._first_look:
+            self._queue_measure()
 
     def _pageout_returns(self, rows: np.ndarray, measured: np.ndarray, swap: int, at: float) -> None:
         """Blocks the table has in swap since a pageout less than
@@ -1844,11 +1909,12 @@ class Engine:
             if self.recorder is not None:
                 self.recorder.observed(obs.source, r, obs.counts[ok], obs.weight)
             # seen accessed while the table says not present: measure it
-            unsure = r[((t.flags[r] & np.uint8(F_NOT_PRESENT)) != 0) | (t.tier[r] < 0)]
+            f = t.flags[r]
+            unsure = r[(((f & np.uint8(F_NOT_PRESENT)) != 0) | (t.tier[r] < 0)) & ((f & np.uint8(F_STALE)) == 0)]
             t.flags[unsure] |= np.uint8(F_STALE)
             self._dirty = True
             if unsure.size:
-                self.measure_soon()
+                self._stale_soon(unsure)
             self._hot_soon(r)
             if obs.prefetch.size:
                 pf = obs.prefetch if job.generation == self.registry.generation else \

@@ -84,6 +84,8 @@ END_OF_RUN = 3.0
 _RESTART = np.float32(1.0)
 # rows per step of Temperature._arm: 8192 * 8 bytes, under the 256 KiB mmap threshold
 _ARM_CHUNK = 8192
+# float32 holds every integer up to this exactly (_once stamps positions with them)
+_EXACT_F32 = 1 << 24
 
 
 # Added to a finished block's silence in reuse_score: within about this long
@@ -307,7 +309,7 @@ class Temperature:
         la[rows] = np.maximum(old_la, now)
         self._epoch_of(now)
         if self.last_decay is None:
-            self._arm(table, rows, None)
+            self._arm(table, _once(table, rows), None)
             return
         # A block read before in this tick's window cannot end its run at the
         # next tick (its silence starts after that tick's interval), so the
@@ -321,7 +323,7 @@ class Temperature:
             again = old_la >= self.last_decay
             table.check_at[rows[again]] = -np.inf
             rows = rows[~again]
-        self._arm(table, rows, self.last_decay, rounds=3)
+        self._arm(table, _once(table, rows), self.last_decay, rounds=3)
 
     def add_region_hints(
         self,
@@ -340,6 +342,24 @@ class Temperature:
         if idx.size and (idx.min() < 0 or idx.max() >= s.count):
             raise InvalidArgument(f"hotness: block index out of range 0..{s.count - 1} for region {region_id}")
         self.add(table, idx + s.start, counts, now, weight)
+
+
+def _once(table: BlockTable, rows: np.ndarray) -> np.ndarray:
+    """``rows`` with each row once, for ``Temperature._arm`` to overwrite
+    the ``check_at`` of every one of them: arming costs some 30 numpy
+    passes per row, and a message of a few thousand hints of a few dozen
+    blocks (a region's blocks read by many requests) armed each copy. Each
+    row's position is stamped into its ``check_at`` and the row whose stamp
+    survived is kept (the last of its copies): two gathers and a scatter,
+    no sort (np.unique took ~300 ns a row)."""
+    k = rows.size
+    if k < 2:
+        return rows
+    if k > _EXACT_F32:  # positions past float32's exact integers
+        return np.unique(rows)
+    pos = np.arange(k, dtype=np.float32)
+    table.check_at[rows] = pos
+    return rows[table.check_at[rows] == pos]
 
 
 PHASES = ("prefill_done", "active", "free", "discard")

@@ -142,3 +142,72 @@ def test_rows_of_follows_shifted_regions():
     assert t.rows_of(*keys).tolist() == [8, 6, 3, -1]
     t.remove_region(7)
     assert t.rows_of(*keys).tolist() == [4, 2, -1, -1]
+
+
+def test_a_hint_stream_over_never_touched_blocks_is_one_measuring_job(rig):
+    """50 hint messages for the same 32 never-touched blocks between two
+    ticks, the loop turning between them (as the daemon's socket does): one
+    measuring job, within the budget, and a block found empty is not marked
+    stale again until the next tick. A job per message, and every message
+    marking the blocks just found empty again, was most of the daemon's CPU
+    with 1 M hinted blocks/s (scripts/bench/scale.py)."""
+    engine, registry, table, region, ticks = rig
+    registry.on_hinted = engine.hinted  # as daemon.build wires it
+    rid = region(64 << 20)  # 32 blocks of 512 pages, none touched
+    ticks(1)
+    stats = engine.stats
+    jobs, whole = stats.residency_scans_total, stats.residency_full_blocks_total
+    registry.clock.now += 0.9  # budget for 0.9 s: 0.75 * 0.9 * 4096 = 2764 pages, 5 whole blocks
+    blocks = np.arange(32, dtype=np.uint32)
+
+    async def stream():
+        for _ in range(50):
+            registry.hint(rid, blocks, None)
+            await asyncio.sleep(0.002)
+        while engine.measurer.busy:
+            await asyncio.sleep(0.001)
+
+    engine.loop.run_until_complete(stream())
+    assert stats.residency_scans_total - jobs == 1
+    measured = stats.residency_full_blocks_total - whole
+    assert measured == 5
+    s = table.slices[rid]
+    flags = table.flags[s.start : s.stop]
+    assert np.count_nonzero(flags & F_STALE) == 32 - measured  # the rest wait for budget
+    assert (flags & F_NOT_PRESENT).all()
+    # the next tick measures the waiting ones first, before its rotating sample
+    ticks(1)
+    assert stats.residency_full_blocks_total - whole == 5 + 6  # 3072 pages of budget: 6 blocks
+
+
+@pytest.mark.parametrize("with_counts", [False, True])
+def test_a_message_of_many_hints_of_few_blocks_counts_as_its_listings(rig, with_counts):
+    """One message listing 32 blocks 3,000 times (summed per block first)
+    leaves the blocks and the counters as the same listings sent 50 at a
+    time (each listing applied as it comes)."""
+    engine, registry, table, region, ticks = rig
+    a, b = region(64 << 20), region(64 << 20)
+    for rid in (a, b):
+        s = table.slices[rid]
+        table.tier[s.start : s.start + 10] = 0
+        table.tier[s.start + 10 : s.start + 20] = 1
+    rng = np.random.default_rng(3)
+    blocks = rng.integers(0, 32, 3000).astype(np.uint32)
+    counts = rng.integers(1, 4, 3000).astype(np.uint32) if with_counts else None
+    stats = registry.stats
+
+    def sent(rid, chunk):
+        hits0, off0 = dict(stats.hint_tier_blocks), registry.hints_off_top
+        for lo in range(0, blocks.size, chunk):
+            registry.hint(rid, blocks[lo : lo + chunk], None if counts is None else counts[lo : lo + chunk])
+        s = table.slices[rid]
+        cols = {c: getattr(table, c)[s.start : s.stop].copy() for c in ("temp", "fresh", "runs", "last_access", "flags")}
+        hits = {k: v - hits0.get(k, 0) for k, v in stats.hint_tier_blocks.items()}
+        return cols, hits, registry.hints_off_top - off0, registry.regions[rid].block_hints
+
+    whole, parts = sent(a, blocks.size), sent(b, 50)
+    np.testing.assert_allclose(whole[0]["temp"], parts[0]["temp"], rtol=1e-6)
+    for c in ("fresh", "runs", "last_access", "flags"):
+        np.testing.assert_array_equal(whole[0][c], parts[0][c], err_msg=c)
+    assert whole[1:] == parts[1:]
+    assert whole[3] == 3000

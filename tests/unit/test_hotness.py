@@ -246,3 +246,25 @@ def test_the_silence_test_does_not_grow_with_blocks_nobody_reads():
         assert (t.temp[50:] > 0).all()  # still warm: no run ended, nothing skipped by zeroing
     assert checked[0] == checked[1]
     assert max(checked[1]) <= 50
+
+
+def test_a_message_of_many_hints_of_few_blocks_arms_each_block_once(monkeypatch):
+    # 3,000 hints of 30 blocks in one message (a region's blocks read by
+    # many requests): the same check_at and temperatures as the 30 blocks
+    # listed once with their counts, and 30 rows armed, not 3,000.
+    armed = []
+    real = Temperature._arm_rows
+    monkeypatch.setattr(Temperature, "_arm_rows",
+                        lambda self, t, rows, *a: armed.append(rows.size) or real(self, t, rows, *a))
+    rows = np.random.default_rng(0).integers(0, 30, 3000)
+    blocks, counts = np.unique(rows, return_counts=True)
+    assert blocks.size == 30
+    many, once = table(100), table(100)
+    for t, listed, c in ((many, rows, 1.0), (once, blocks, counts.astype(np.float32))):
+        h = Temperature(5.0)
+        h.decay(t, 10.0)
+        armed.clear()
+        h.add(t, listed, c, 10.5)
+        assert sum(armed) == 30
+    for col in ("check_at", "temp", "fresh", "runs", "last_access"):
+        np.testing.assert_array_equal(getattr(many, col), getattr(once, col), err_msg=col)
