@@ -126,7 +126,17 @@ class Temperature:
         # rows the last decay's silence test looked at (tests/unit/test_hotness.py
         # checks this does not grow with blocks nobody reads)
         self.rows_checked = 0
-        self._window_reads = 0  # rows added since the last decay
+        # Rows read since their last arm, armed together (_flush): arming
+        # is some 30 numpy calls, and a hint message of a few dozen blocks
+        # paid them per message (1000 regions, 1 M hinted blocks/s: a third
+        # of the hint path). With the table's version when the first was
+        # added (rows of another layout are not these rows), the latest
+        # read time seen, and the time up to which every read is armed.
+        self._unarmed: list[np.ndarray] = []
+        self._unarmed_rows = 0
+        self._unarmed_version = -1
+        self._latest = -math.inf
+        self._armed_to = -math.inf
         self._scratch = np.empty(0, dtype=bool)
         # length of the last decay step: the reads a tick adds stand for that
         # long, so a run of reads starts that old (never 0: no division by 0)
@@ -136,8 +146,11 @@ class Temperature:
         return math.exp(-max(0.0, dt) / self.tau_s)
 
     def decay(self, table: BlockTable, now: float) -> None:
-        """Age every temperature to ``now`` (no-op the first time and if time went back)."""
+        """Age every temperature to ``now`` (no-op the first time and if time
+        went back); the reads since the last arm are armed first, from the
+        temperatures they were added to."""
         self._epoch_of(now)
+        self._flush(table)
         if self.last_decay is not None and now > self.last_decay:
             dt = now - self.last_decay
             f = np.float32(self.factor(dt))
@@ -152,9 +165,26 @@ class Temperature:
             np.multiply(fresh, f, out=fresh, where=mask)
             self._silence(table, now, mask)
             self.interval = dt
-            self._window_reads = 0
         if self.last_decay is None or now > self.last_decay:
             self.last_decay = now
+            self._armed_to = now
+
+    def _flush(self, table: BlockTable) -> None:
+        """Arm the rows read since their last arm, each once, from their
+        state now: what arming at each one's latest read gives, as nothing
+        but a read changes a row's temperature before the next decay
+        (``recheck`` and the phases are bounds an arm keeps). If the rows
+        moved meanwhile (a region added or removed), every row read since
+        the last decay is tested at the next tick instead (then armed)."""
+        if not self._unarmed:
+            return
+        parts, self._unarmed, self._unarmed_rows = self._unarmed, [], 0
+        self._armed_to = max(self._armed_to, self._latest)
+        if self._unarmed_version != table.version:
+            table.check_at[table.last_access >= self.last_decay] = -np.inf
+            return
+        rows = np.concatenate(parts)
+        self._arm(table, _once(table, rows[rows < len(table)]), self.last_decay, rounds=3)
 
     def _mask(self, n: int) -> np.ndarray:
         if self._scratch.size < n:
@@ -311,19 +341,24 @@ class Temperature:
         if self.last_decay is None:
             self._arm(table, _once(table, rows), None)
             return
-        # A block read before in this tick's window cannot end its run at the
-        # next tick (its silence starts after that tick's interval), so the
-        # tick may arm it instead: at most one arm per block a tick, where
-        # arming here costs one per read. Once the window has seen more
-        # reads than twice the table's blocks (a small table read many times
-        # a tick), the reads of blocks read before only mark them; below
-        # that, arming here keeps the tick's work to what is due.
-        self._window_reads += int(rows.size)
-        if self._window_reads > 2 * n:
-            again = old_la >= self.last_decay
-            table.check_at[rows[again]] = -np.inf
-            rows = rows[~again]
-        self._arm(table, _once(table, rows), self.last_decay, rounds=3)
+        # A block read in this tick's window cannot end its run at the next
+        # tick (its silence starts after that tick's interval), so its arm
+        # can wait for the next decay: rows are queued once until armed (a
+        # row last read after the last arm is queued already), and armed in
+        # batches of _ARM_CHUNK, so at most one arm per block a batch and the
+        # arms' fixed cost is paid per batch, not per message.
+        # Read last at the instant armed to: armed then, unless that read came
+        # after the arm at the same instant (a clock that did not move), so
+        # at that instant those are queued again.
+        self._latest = max(self._latest, now)
+        new = rows[old_la <= self._armed_to] if now <= self._armed_to else rows[old_la < self._armed_to]
+        if new.size:
+            if not self._unarmed:
+                self._unarmed_version = table.version
+            self._unarmed.append(new)
+            self._unarmed_rows += int(new.size)
+            if self._unarmed_rows >= _ARM_CHUNK:
+                self._flush(table)
 
     def add_region_hints(
         self,

@@ -265,6 +265,43 @@ def test_a_message_of_many_hints_of_few_blocks_arms_each_block_once(monkeypatch)
         h.decay(t, 10.0)
         armed.clear()
         h.add(t, listed, c, 10.5)
+        h.decay(t, 10.0)  # no time passed: only the reads are armed
         assert sum(armed) == 30
     for col in ("check_at", "temp", "fresh", "runs", "last_access"):
         np.testing.assert_array_equal(getattr(many, col), getattr(once, col), err_msg=col)
+
+
+def test_reads_after_a_batch_was_armed_at_the_same_instant_are_armed_again():
+    # 10,000 blocks read faintly at one instant fill a batch of arms (armed
+    # there and then); block 0 is read 200 times more at that same instant
+    # (a clock that did not move): its run must end when the full scan
+    # ends it, not when the faint read's bound said.
+    n = 10_000
+    tabs, hs = [table(n), table(n)], [Temperature(1.0), _FullScan(1.0)]
+    for t, h in zip(tabs, hs):
+        h.decay(t, 0.0)
+        h.add(t, np.arange(n), 0.01, 0.5)
+        h.add(t, np.zeros(200, dtype=np.int64), 1.0, 0.5)
+    for k in range(1, 40):
+        for t, h in zip(tabs, hs):
+            h.decay(t, 0.5 + 0.25 * k)
+        np.testing.assert_array_equal(tabs[0].temp, tabs[1].temp, err_msg=f"step {k}")
+    assert tabs[0].temp[0] == 0  # block 0's run ended
+
+
+def test_reads_queued_for_arming_survive_a_region_removed_before_the_tick():
+    # Blocks of the second region read hard, then the first region removed
+    # (the rows shift down) before the next decay: their runs end as the
+    # full scan ends them (the queued rows were of the old layout).
+    tabs, hs = [table(300, 50), table(300, 50)], [Temperature(1.0), _FullScan(1.0)]
+    for t, h in zip(tabs, hs):
+        h.decay(t, 0.0)
+        h.add(t, np.arange(300, 350), 0.01, 0.4)
+        h.decay(t, 1.0)
+        h.add(t, np.arange(300, 350), 50.0, 1.5)
+        t.remove_region(10)
+    for k in range(1, 40):
+        for t, h in zip(tabs, hs):
+            h.decay(t, 1.5 + 0.25 * k)
+        np.testing.assert_array_equal(tabs[0].temp, tabs[1].temp, err_msg=f"step {k}")
+    assert (tabs[0].temp == 0).all()
