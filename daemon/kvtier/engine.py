@@ -50,7 +50,7 @@ import numpy.ma  # noqa: F401
 from kvtier import logs
 from kvtier import policy as pol
 from kvtier.blocks import (FIELDS, F_ENGINE, F_KEEP_DRAM, F_MANUAL_PIN, F_NEVER_SWAP, F_NOT_PRESENT, F_STALE,
-                           F_UNMOVABLE, TIER_UNKNOWN, BlockTable, Slice, row_count, row_select)
+                           F_UNMOVABLE, STUCK_PINNED, TIER_UNKNOWN, BlockTable, Slice, row_count, row_select)
 from kvtier.engine_moves import EngineMoves
 from kvtier.errors import InvalidArgument, KvtierError, RangeNotMapped
 from kvtier.hotness import Temperature
@@ -1406,6 +1406,46 @@ class Engine:
                 continue
             job.measured_tier[sel] = _dominant_tier(r, lut, ntiers, None if swap is None else swap.index)[0]
 
+    def _moved_back(self, job: MoveJob, mv: np.ndarray, rows: np.ndarray,
+                    untouched: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Of the finished moves ``mv`` (table ``rows``), the daemon's own
+        that show the block's reader has it in use right now, the same
+        evidence as a block faulted straight back after a pageout (read
+        before record_results overwrites last_move): (held, back) masks.
+
+        held: a pageout that left pages of this process alone behind (the
+        migrator's STUCK_PINNED evidence: read at that moment, or pinned;
+        the shared-page skip and mlock'ed mappings are no sign of use), the
+        block measured after it still in memory. A reader does that: the
+        pageout puts its pages in the swap cache and the reader maps them
+        straight back. Such a pageout was tried again after backoff_base_s
+        (1 s) while the reader went on. It stays a failure (one pageout
+        cannot tell a reader from a long-term pin, and a pin must still end
+        unmovable after unmovable_after tries), retried after the return
+        backoff instead. A block measured in swap after it is where the
+        table says: if its reader faults it in, a measurement sees that.
+
+        back: a pagein within return_window_s of the block's pageout (the
+        fault prefetch ahead of a reader, a promotion of a block hinted
+        hot): the daemon brought it back for its reader, so no measurement
+        ever saw it return, and a quota paged the same blocks out again
+        after each prefetch (one block 6 times in 1 s).
+
+        Operator moves are the operator's (they retry and report their own)."""
+        swap = self.topology.swap_tier
+        none = np.zeros(mv.size, dtype=bool)
+        if swap is None:
+            return none, none
+        t, cfg = self.table, self.policy_cfg
+        ok, src, dst = job.ok[mv], job.src[mv], job.dst[mv]
+        ours = job.ticket[mv] < 0 if job.ticket is not None else ~none
+        held = ~ok & ~job.unmovable[mv] & (dst == swap.index) & (job.reason[mv] == STUCK_PINNED)
+        measured = job.measured_tier[mv] if job.measured_tier is not None else np.full(mv.size, TIER_UNKNOWN)
+        held &= (measured >= 0) & (measured != swap.index)
+        back = ok & ~untouched & (src == swap.index) & (dst != swap.index) & (dst >= 0)
+        back &= job.started - t.last_move[rows] <= cfg.return_window_s
+        return ours & held, ours & back
+
     def _finish_move(self, job: MoveJob) -> None:
         self._dram_full = False
         if job.planned_at is not None:
@@ -1426,8 +1466,12 @@ class Engine:
             # touched, not in the tier it was sent to (and not a migration).
             unt = job.untouched[mv] if job.untouched is not None else np.zeros(mv.size, dtype=bool)
             dst = np.where(unt, np.int8(TIER_UNKNOWN), job.dst[mv]).astype(np.int8)
+            held, back = self._moved_back(job, mv, rows[mv], unt)
             pol.record_results(t, rows[mv], job.ok[mv], job.unmovable[mv], now, self.policy_cfg, dst=dst,
                                reason=job.reason[mv])
+            # a held pageout is a failure in a row: its count doubles the delay
+            self._returned(rows[mv][held], t.fail_count[rows[mv][held]] - 1, failed=True)
+            self._returned(rows[mv][back], t.returns[rows[mv][back]])
             t.flags[rows[mv[unt]]] |= np.uint8(F_NOT_PRESENT)
             # What was just paged out is measured again with the next tick: a
             # reader faults a hot block straight back in, and the table must
@@ -1815,24 +1859,34 @@ class Engine:
     def _pageout_returns(self, rows: np.ndarray, measured: np.ndarray, swap: int, at: float) -> None:
         """Blocks the table has in swap since a pageout less than
         return_window_s before this measurement, measured back in memory:
-        their reader faulted them straight back in. Paging them out again
-        would only repeat that (a quota held against a reader paged the same
-        hot blocks out 206 times in 20 s), so they are not moved for
-        return_backoff_s, doubled per return in a row; a block that stayed
-        out starts over."""
+        their reader faulted them straight back in (_returned); a block
+        that stayed out starts over."""
         t, cfg = self.table, self.policy_cfg
         was_out = t.tier[rows] == swap
         recent = at - t.last_move[rows] <= cfg.return_window_s
         back = rows[was_out & recent & (measured >= 0) & (measured != swap)]
         t.returns[rows[was_out & ~recent & (measured == swap)]] = 0
-        if not back.size:
+        self._returned(back, t.returns[back])
+
+    def _returned(self, rows: np.ndarray, returns: np.ndarray, failed: bool = False) -> None:
+        """``rows`` came straight back to their reader (``returns``: their
+        returns in a row so far). Paging them out again would only repeat
+        that (a quota held against a reader paged the same hot blocks out
+        206 times in 20 s), so they are not paged out for
+        return_backoff_s, doubled per return in a row: barred from swap
+        only (``returns`` set: promotion stays open), or, ``failed`` (a
+        held pageout, record_results' failure), from every move as a
+        failure is, the failure's own delay if longer."""
+        if not rows.size:
             return
-        n = np.minimum(t.returns[back].astype(np.int64) + 1, np.iinfo(np.uint8).max)
-        t.returns[back] = n
-        delay = np.minimum(cfg.backoff_max_s, cfg.return_backoff_s * np.exp2(n - 1))
-        t.retry_at[back] = np.maximum(t.retry_at[back], self.clock() + delay)
-        self.stats.pageout_returns_total += int(back.size)
-        logs.event(log, "pageout_returned", blocks=int(back.size), backoff_s=float(delay.min()),
+        t, cfg = self.table, self.policy_cfg
+        n = np.minimum(returns.astype(np.int64) + 1, np.iinfo(np.uint8).max)
+        if not failed:
+            t.returns[rows] = n
+        delay = np.minimum(cfg.backoff_max_s, cfg.return_backoff_s * np.exp2(np.minimum(n - 1, 62)))
+        t.retry_at[rows] = np.maximum(t.retry_at[rows], self.clock() + delay)
+        self.stats.pageout_returns_total += int(rows.size)
+        logs.event(log, "pageout_returned", blocks=int(rows.size), held=failed, backoff_s=float(delay.min()),
                    max_backoff_s=float(delay.max()))
 
     # -- collect -----------------------------------------------------------

@@ -150,8 +150,9 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "kvtier_tick_errors": ("counter", (), "Ticks that raised an error (the loop continued)."),
     "kvtier_ticks_skipped_busy": ("counter", (), "Ticks whose act phase was skipped: previous migration still running."),
     "kvtier_pageout_returns": ("counter", (),
-                               "Blocks paged out that their reader faulted straight back in "
-                               "(each is backed off from moving again: policy.return_backoff_s)."),
+                               "Blocks paged out that their reader faulted straight back in, held in part "
+                               "during the pageout, or had paged back in for it within policy.return_window_s "
+                               "(each is not paged out again for policy.return_backoff_s)."),
     "kvtier_residency_scans": ("counter", (), "Residency measuring jobs (stale blocks whole, a rotating sample of the rest)."),
     "kvtier_residency_pages": ("counter", (), "Pages whose placement was asked (bounded by daemon.residency_pages_per_s)."),
     "kvtier_residency_blocks": ("counter", ("how",), "Blocks measured: whole (stale) or sampled (a window of pages)."),

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -38,6 +39,7 @@ from kvchild import KVChild
 from kvtierd import acting
 from kvtier.client import Client, KvtierClientError
 from kvtier.kernel.procfs import PM_PRESENT, PM_SWAP, Pagemap
+from kvtier.record import INDEX_BITS
 
 pytestmark = pytest.mark.root
 
@@ -159,9 +161,36 @@ def test_migrate_wait_retries_and_reports_pages_the_kernel_kept(kvtierd):
 
 @pytest.fixture
 def quota_kvtierd(tmp_path, swapfile):
-    """A tenant quota of half the pool in DRAM, DRAM itself roomy."""
-    with roomy(tmp_path, f"tenant_dram_quota = {{ team = {POOL // 2} }}\n") as daemon:
+    """A tenant quota of half the pool in DRAM, DRAM itself roomy; recorded
+    (kvtier.record), so that a failure can say what each block went through."""
+    rec = tmp_path / "rec"
+    with roomy(tmp_path, f"tenant_dram_quota = {{ team = {POOL // 2} }}\n"
+                         f'[record]\nenabled = true\ndir = "{rec}"\n') as daemon:
+        daemon.rec = rec
         yield daemon
+
+
+def block_history(d, nblocks: int) -> tuple[list[int], str]:
+    """Per block, how many times the daemon placed it in swap after a move,
+    and a report: the tiers it was placed in, in order, from the
+    recording's "# place T ID TIER CAUSE" lines (m: after a move, s: seen
+    by a measurement), and the failed pages by reason from the metrics."""
+    names = dict(re.findall(r"event=tier_discovered tier=(\S+) index=(\d+)", d.log.read_text()))
+    label = {int(i): n for n, i in names.items()}
+    hist: dict[int, list[str]] = {i: [] for i in range(nblocks)}
+    for f in sorted(d.rec.glob("kvtier.csv*"), reverse=True):  # kvtier.csv.N is older than kvtier.csv
+        for line in f.read_text().splitlines():
+            p = line.split()
+            if len(p) == 6 and p[:2] == ["#", "place"]:
+                i = int(float(p[3])) & ((1 << INDEX_BITS) - 1)
+                if i in hist:
+                    hist[i].append(f"{p[5][0]}:{label.get(int(float(p[4])), p[4])}")
+    with urllib.request.urlopen(d.url, timeout=10) as r:
+        fails = [f"{s.labels['reason']}={int(s.value)}" for fam in text_string_to_metric_families(r.read().decode())
+                 for s in fam.samples if s.name == "kvtier_migration_failed_pages_total"]
+    outs = [v.count("m:swap") for v in hist.values()]
+    return outs, ("failed pages: " + (", ".join(fails) or "none") + "\n"
+                  + "\n".join(f"block {i}: out {n}: {' '.join(v)}" for (i, v), n in zip(hist.items(), outs)))
 
 
 def test_blocks_a_reader_faults_straight_back_are_not_paged_out_again(quota_kvtierd):
@@ -171,7 +200,10 @@ def test_blocks_a_reader_faults_straight_back_are_not_paged_out_again(quota_kvti
     reader keeps reading all 16 blocks for 10 s while the quota asks for 8
     of them out: each block that came back is counted once and backed off
     (policy.return_backoff_s = 30 s), and the daemon's DRAM bytes are the
-    kernel's."""
+    kernel's. It failed 1 run in 3 at 22-24 pageouts until a pageout the
+    reader held in part (NOT_PAGED_OUT) and a fault prefetch of a block
+    just paged out counted as returns: one block went out 6 times in 1 s,
+    prefetched back in after each."""
     d = quota_kvtierd
     with KVChild(POOL) as child, Client(d.socket, name="test_pageout") as kv:
         region = kv.register(addr=child.addr, length=POOL, block_size=BLOCK, name="pool", tenant="team",
@@ -182,10 +214,13 @@ def test_blocks_a_reader_faults_straight_back_are_not_paged_out_again(quota_kvti
         out = metric(d.url, "kvtier_migrated_blocks_total", src="dram", dst="swap")
         returns = metric(d.url, "kvtier_pageout_returns_total") or 0
         failed = metric(d.url, "kvtier_migration_failed_pages_total", src="dram", dst="swap") or 0
-        # Each block at most once or so (a pageout the mover saw half done
-        # is retried with the policy's own backoff), never again and again.
-        assert 0 < out <= 16 + 4, (out, returns, failed)
-        assert returns >= out - 4, (out, returns, failed)
+        # Each block once (a pageout its reader held in part counts as its
+        # return), never again and again; the slack is for a loaded host,
+        # where a return seen after return_window_s is no return.
+        per_block, history = block_history(d, 16)
+        why = f"{out} pageouts, {returns} returns, {failed} failed pages\n{history}"
+        assert 0 < out <= 16 + 4 and max(per_block) <= 2, why
+        assert returns >= out - 4, why
 
         def agree():
             # the daemon's DRAM bytes against the pages the kernel has present

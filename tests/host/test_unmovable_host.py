@@ -117,7 +117,11 @@ def test_long_term_pinned_block_is_detected_not_retried_and_reprobed(swapfile, w
     shows none, explain names no pin), and for good: after the pin is
     dropped it never reaches swap."""
     reprobe = 6.0
-    d = start(workdir, f"backoff_base_s = 0.2\nunmovable_after = 3\nunmovable_reprobe_s = {reprobe}\n")
+    # A pinned block's pageout leaves this process's pages behind, as one
+    # its reader held does: retried after return_backoff_s (held as a
+    # return, engine._moved_back), here as short as the failure backoff.
+    d = start(workdir, f"backoff_base_s = 0.2\nreturn_backoff_s = 0.2\nunmovable_after = 3\n"
+                       f"unmovable_reprobe_s = {reprobe}\n")
     try:
         with KVChild(2 * BLOCK) as child:
             before = child.checksum()

@@ -23,7 +23,7 @@ import pytest
 
 from kvtier import engine as engine_mod
 from kvtier import policy as pol
-from kvtier.blocks import F_NOT_PRESENT, F_STALE, F_UNMOVABLE, STUCK_LOCKED, BlockTable
+from kvtier.blocks import F_NOT_PRESENT, F_STALE, F_UNMOVABLE, STUCK_LOCKED, STUCK_NONE, STUCK_PINNED, BlockTable
 from kvtier.engine import OPERATOR_ATTEMPTS, Engine
 from kvtier.errors import RangeNotMapped, os_error
 from kvtier.hotness import Temperature
@@ -46,7 +46,10 @@ DRAM, SWAP_TIER = 0, 1  # tier indices of the fixture topology
 class FakeKernel:
     """Where each page of one fake process is, and the migrator's answers.
 
-    ``stuck``: page addresses MADV_PAGEOUT skips (NOT_PAGED_OUT);
+    ``stuck``: page addresses MADV_PAGEOUT skips (NOT_PAGED_OUT), as the
+    real migrator reports them: pages of this process alone are evidence
+    of a pin or a read at that moment (STUCK_PINNED), ``shared`` ones (a
+    forked sharer maps them too) are not;
     ``pinned``: page addresses move_pages answers -EBUSY for;
     ``fail``: op name -> errno raised for the whole call;
     ``hold``: op name -> Event the op waits on after doing its work (so a
@@ -68,6 +71,7 @@ class FakeKernel:
         self.read = np.zeros(npages, dtype=bool)  # pages a reader keeps reading (see comes_back)
         self.back: np.ndarray | None = None  # paged-out pages its reader faults in before the next call
         self.stuck: set[int] = set()
+        self.shared: set[int] = set()
         self.stuck_calls = 1 << 30  # how many more pageouts skip the stuck pages
         self.pinned: set[int] = set()
         self.fail: dict[str, int] = {}
@@ -167,9 +171,11 @@ class FakeKernel:
         left = present & skip
         errors = {"NOT_PAGED_OUT": int(left.sum())} if left.any() else {}
         ok = lay.per_block(left) == 0
+        alone = left & ~np.isin(lay.addrs, np.fromiter(self.shared, dtype=np.uint64, count=len(self.shared)))
         res = MoveResult("pageout", "swap", len(idx), int((present & ~skip).sum()), errors, ok,
                          np.zeros(len(ok), dtype=bool), page_size=PAGE, block_untouched=untouched,
-                         block_done=lay.per_block(self.loc[idx] == SWAP))
+                         block_done=lay.per_block(self.loc[idx] == SWAP),
+                         block_reason=np.where(lay.per_block(alone) > 0, STUCK_PINNED, STUCK_NONE).astype(np.uint8))
         self._leave("pageout")
         return res
 
@@ -714,6 +720,19 @@ def test_an_operator_pageout_retries_pages_skipped_for_a_passing_reason(rig):
     assert r.stats.migration_failed_pages[(DRAM, SWAP_TIER, "NOT_PAGED_OUT")] == 8  # the kernel's count
 
 
+def test_an_operator_pageout_its_reader_holds_is_no_return(rig):
+    """Kills: `_moved_back` taking an operator's pageout the reader held
+    (most of block 2 skipped, this process's pages) as the daemon's own
+    return: the operator's move retries and reports its pages; the policy
+    is not barred from paging the block out for return_backoff_s."""
+    r = rig(8, capacity={DRAM: 64 * BLOCK})
+    r.settle()
+    r.kernel.stuck = r.kernel.block_pages(2, n=PPB - 8)
+    ticket = r.engine.request_move(np.arange(r.rows().start, r.rows().stop), SWAP_TIER, wait=True)
+    assert _report(r, ticket)["failed_pages"] == {"NOT_PAGED_OUT": PPB - 8}
+    assert r.stats.pageout_returns_total == 0 and r.table.returns[r.rows().start + 2] == 0
+
+
 def test_operator_retries_are_bounded_and_the_last_attempt_is_reported(rig):
     """Kills: retrying without bound, or reporting every attempt's skipped
     pages (3 x 4) instead of what is still not in swap (4)."""
@@ -738,6 +757,7 @@ def test_fault_prefetch_pages_in_the_swapped_blocks_ahead(rig):
     r.engine.request_move(np.arange(rows.start + 2, rows.stop), SWAP_TIER)
     r.tick()
     assert r.tiers() == [DRAM] * 2 + [SWAP_TIER] * 6
+    r.tick(12)  # 6 s: paged out longer than return_window_s ago, so a prefetch of them is no return
     r.kernel.calls.clear()
     # a fault in block 2; the source names blocks 3, 4 (in swap) and 1 (in DRAM)
     r.source.queue.append(Observation("fake", np.array([rows.start + 2]), np.array([1.0], dtype=np.float32), 1.0,
@@ -747,6 +767,7 @@ def test_fault_prefetch_pages_in_the_swapped_blocks_ahead(rig):
     assert r.tiers()[3:] == [DRAM] * 2 + [SWAP_TIER] * 3  # (block 2 itself is the policy's to decide)
     assert (r.kernel.where(3) == 0).all() and (r.kernel.where(5) == SWAP).all()
     assert r.stats.fault_prefetch_blocks_total == 2
+    assert r.stats.pageout_returns_total == 0
 
 
 def test_sources_replaced_by_a_reload_wait_for_the_collect_in_flight(rig):
@@ -800,3 +821,88 @@ def test_blocks_that_come_straight_back_are_not_paged_out_again_and_again(rig):
     assert r.stats.pageout_returns_total == pageouts()
     rows = r.table.retry_at[r.rows()]
     assert (rows > r.clock.now).sum() == pageouts()  # backed off from pageout
+
+
+def _pageouts(r: Rig) -> list[int]:
+    """Pageouts per block, in the order of the kernel's calls."""
+    out = [0] * 8
+    for op, blocks in r.kernel.calls:
+        if op == "pageout":
+            for b in blocks:
+                out[b] += 1
+    return out
+
+
+def test_a_pageout_its_reader_holds_in_part_is_backed_off_as_a_return(rig):
+    """The reader touches a few pages of each block while MADV_PAGEOUT runs
+    (the kernel skips them: NOT_PAGED_OUT, this process's pages alone) and
+    faults the rest straight back. Kills: `_moved_back` not taking such a
+    pageout as a return (it was a failure only, retried after backoff_base_s
+    while the reader went on: the host test saw 22 pageouts of 16 blocks in
+    10 s); and taking shared pages (the forked sharer's skip, no sign of
+    use) as one. Faked: which pages a reader touches during the syscall
+    is the kernel's race, never the same twice on a real one."""
+    r = rig(8, capacity={DRAM: 64 * BLOCK}, tenant_dram_quota={0: 4 * BLOCK})
+    r.kernel.read[: 8 * PPB] = True
+    for b in range(8):
+        r.kernel.stuck |= r.kernel.block_pages(b, n=3)
+    r.kernel.shared = r.kernel.block_pages(7, n=3)  # block 7's skipped pages are shared: a failure only
+    r.settle()
+    for _ in range(40):  # 20 s of ticks, every block read and hinted all along
+        r.hint(range(8))
+        r.tick()
+    out = _pageouts(r)
+    assert sum(out[:7]) == sum(1 for n in out[:7] if n) and sum(out[:7]) > 0, r.kernel.calls  # once each
+    rows = r.rows()
+    held = [b for b in range(7) if out[b]]
+    assert r.stats.pageout_returns_total == len(held)
+    assert (r.table.retry_at[rows][held] > r.clock.now).all()  # return_backoff_s (30 s) after 20 s, not 1 s
+    # still a failure (a pin must end unmovable in time): barred from every move, not from swap only
+    assert (r.table.fail_count[rows][held] == 1).all() and (r.table.returns[rows][held] == 0).all()
+    assert r.stats.migration_failed_pages[(DRAM, SWAP_TIER, "NOT_PAGED_OUT")] == 3 * sum(out)
+    if out[7]:  # the shared skip is no return: retried with the failure backoff
+        assert out[7] > 1
+
+
+def test_a_pinned_block_whose_pageouts_look_held_still_ends_unmovable(rig):
+    """A long-term pin looks like a reader to one pageout (this process's
+    pages left behind); an operator pins the region to swap, so the policy
+    wants it there on every tick. Kills: `_finish_move` marking a held
+    pageout as a return (``returns`` set): the policy then took the block
+    for one barred from swap only, out of backoff, and re-probed it on
+    every tick, unmovable or not (tests/host/test_unmovable_host.py: 14
+    pageouts for 3)."""
+    r = rig(8, capacity={DRAM: 64 * BLOCK}, unmovable_after=3, return_backoff_s=1.0, unmovable_reprobe_s=600.0)
+    r.kernel.stuck = r.kernel.block_pages(0, n=PPB - 4)  # pinned: most of block 0 stays
+    r.settle()
+    r.registry.pin(r.region, None, SWAP_TIER)
+    for _ in range(40):  # 20 s: 3 tries 1 s and 2 s apart, then unmovable
+        r.tick()
+    assert _pageouts(r) == [3] + [1] * 7, r.kernel.calls
+    row = r.rows().start
+    assert r.table.flags[row] & F_UNMOVABLE and r.table.stuck[row] == STUCK_PINNED
+    assert r.tiers() == [DRAM] + [SWAP_TIER] * 7
+
+
+def test_a_block_prefetched_back_right_after_its_pageout_is_a_return(rig):
+    """The fault prefetch pages in blocks the quota just paged out (their
+    reader faulted on the block before them): the daemon brought them back
+    itself, so no measurement ever sees them return. Kills: `_moved_back`
+    not taking such a pagein as a return: the quota paged the same blocks
+    out again after every prefetch (one block 6 times in 1 s on the host)."""
+    r = rig(8, capacity={DRAM: 64 * BLOCK}, tenant_dram_quota={0: 4 * BLOCK})
+    r.settle()
+    rows = r.rows()
+    for _ in range(20):  # 10 s of ticks; each one the reader faults, its source names the swapped blocks
+        swapped = np.flatnonzero(r.table.tier[rows] == SWAP_TIER) + rows.start
+        if swapped.size:
+            r.source.queue.append(Observation("fake", swapped[:1], np.array([1.0], dtype=np.float32), 1.0,
+                                              swapped))
+        r.hint(range(8))
+        r.tick()
+    out = _pageouts(r)
+    assert r.stats.fault_prefetch_blocks_total > 0
+    assert max(out) == 1, (out, r.kernel.calls)  # once each, not after every prefetch
+    assert r.stats.pageout_returns_total == sum(out)
+    back = [b for b in range(8) if out[b]]
+    assert (r.table.returns[rows][back] == 1).all() and (r.table.retry_at[rows][back] > r.clock.now).all()
