@@ -22,6 +22,9 @@ re-attached. Hints made meanwhile are queued (at most ``hint_queue_max``
 block hints, oldest dropped and counted in ``hints_dropped``), a hint
 starts one reconnect attempt without waiting, and the queue is sent first
 on the new connection. A client that never reached a daemon fails at once.
+
+Hints go on the socket here (written without waiting for the answer): the
+shared-memory hint ring that kvtier.client.Client uses is not asked for.
 """
 
 from __future__ import annotations
@@ -278,6 +281,13 @@ class AsyncClient:
         self._next_id += 1
         self._waiting[req.id] = (req.__struct_config__.tag, fut)
         self._writer.write(protocol.encode_request(req))
+
+    def _ring_put(self, word: int, packed: bytes) -> bool:
+        """Region.flush asks for the hint ring first; the asyncio client has
+        none (kvtier.client.Client's ``hint_ring``), so every batch goes to
+        ``_send_hint``: written on the socket at once, its answer collected
+        by the reader task."""
+        return False
 
     def _send_hint(self, req: protocol.Hint, nblocks: int) -> None:
         """Region.flush's transport: written now, answer collected by the
