@@ -421,8 +421,12 @@ def test_hint_batches_copy_at_once_and_mix_counts(daemon, timeout):
     assert c.stats()["block_hints_total"] == 2 + 2 + 1 + 2 + 1 + 2000
     temps = protocol.unpack(c.request("blocks", region=r.id)["temps"], protocol.TEMPS_DTYPE, "temps")
     assert temps[7] == 0 and temps[0] == 0 and temps[2100] == 0
-    assert np.allclose(temps[[2, 3, 4, 5, 8, 9]], temps[1], rtol=1e-3) and temps[1] > 0
-    assert temps[6] / temps[1] == pytest.approx(5, rel=1e-3)
+    # Blocks 1-2 left in the first batch, the rest together at the flush: a
+    # tick between the two batches may weigh them differently (the decay and
+    # a run's start), so each batch is compared within itself.
+    assert temps[2] == pytest.approx(temps[1], rel=1e-3) and temps[1] > 0
+    assert np.allclose(temps[[4, 5, 8, 9]], temps[3], rtol=1e-3) and temps[3] > 0
+    assert temps[6] / temps[3] == pytest.approx(5, rel=1e-3)
     assert (temps[100:2100] > 0).all()
     r.unregister()
     c.close()
