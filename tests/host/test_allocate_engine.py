@@ -95,8 +95,15 @@ def test_hot_blocks_end_in_the_engines_dram_pool_with_data_intact(swapfile, work
             tiers = c.request("tiers")["tiers"]
             slow = next(t["index"] for t in tiers if t["kind"] == "swap")  # the engine's disk pool
             eng = TwoPoolEngine(os.path.join(workdir, "slow.pool"), 0, slow)
+            where0 = eng.where.copy()
             region = c.register_engine(NBLOCKS, BLOCK, eng.where, eng.on_move, name="two-pools", tenant="t")
-            assert (region.query() == eng.where).all()  # the daemon starts from what the engine says
+            # The daemon starts from what the engine says. A tick may already
+            # have sent a move that the client serves while the query's answer
+            # is on its way (eng.where changes first): blocks the engine moved
+            # may show either tier, every other block the registered one.
+            q = region.query()
+            unmoved = eng.where == where0
+            assert (q[unmoved] == where0[unmoved]).all(), (q, where0, eng.calls)
 
             def settled():
                 region.hint(HOT, counts=np.full(HOT.size, 4))
