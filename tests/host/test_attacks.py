@@ -330,7 +330,9 @@ def test_after_a_deferred_answer_the_next_request_is_not_queued_behind_every_bac
     d = DaemonProc(workdir, FLOOD_LIMITS).start()
     buf = mmap.mmap(-1, 16 * 4096)
     try:
-        nconn, flood = 10, 20_000
+        # 30,000 answers a connection stay under its 4 MiB of unread answers.
+        nconn, flood = 10, 30_000
+        total = nconn * flood
         frame = protocol.frame(msgspec.msgpack.encode({"op": "unregister", "id": 7, "region": (1 << 31) - 1}))
         g1, g2 = _connect(d.sock), _connect(d.sock)
         r1, r2 = protocol.FrameReader(1 << 30), protocol.FrameReader(1 << 30)
@@ -346,9 +348,13 @@ def test_after_a_deferred_answer_the_next_request_is_not_queued_behind_every_bac
             g2.sendall(stats)
             a1 = raw_call(g1, r1, None).result["errors"].get("unregister:not_found", 0)
             a2 = raw_call(g2, r2, None).result["errors"].get("unregister:not_found", 0)
+            if max(a1, a2) >= total:
+                break  # the floods are over: a later sample has nothing to wait behind
             gaps.append(a1 - a2)
-        left = raw_call(g2, r2, {"op": "stats", "id": 4}).result["errors"].get("unregister:not_found", 0)
-        assert left < nconn * flood, "the floods were over before the samples: nothing was measured"
+        # Each sample waits for a state-file write; on a quiet host the
+        # daemon answered all 200,000 frames of a smaller flood within the
+        # first samples (fresh-clone CI at a577fdc).
+        assert len(gaps) >= 3, f"the floods ({total} frames) were over after {len(gaps)} samples: nothing was measured"
         median = sorted(gaps)[len(gaps) // 2]
         assert median <= FRAMES_PER_TURN, (
             f"after a deferred answer, a request waited a median of {median} flood frames more than one "
