@@ -112,6 +112,20 @@ class Watcher(threading.Thread):
         return max(b - a for a, b in zip(edges, edges[1:]))
 
 
+def _stop(d, watcher, attacker) -> None:
+    """A test's end: the other client's thread and the attacker stopped, the
+    daemon stopped cleanly with nothing in its log that says it broke."""
+    if watcher is not None:
+        watcher.stop.set()
+        watcher.join(timeout=30)
+    if attacker is not None:
+        attacker.kill()
+        attacker.wait()
+    assert d.stop() == 0
+    log = d.read_log()
+    assert "Traceback" not in log and "internal error" not in log, log[-3000:]
+
+
 def test_whole_region_ops_on_a_huge_region_do_not_hold_other_clients(workdir):
     d = DaemonProc(workdir, args=("--set", "daemon.tick_interval=1.0")).start()
     attacker = watcher = None
@@ -149,15 +163,7 @@ def test_whole_region_ops_on_a_huge_region_do_not_hold_other_clients(workdir):
         assert sum(rel.values()) == NBLOCKS, rel
         print({k: (v[1][0], round(v[1][1], 4), round(v[1][2], 4)) for k, v in seen.items()})
     finally:
-        if watcher is not None:
-            watcher.stop.set()
-            watcher.join(timeout=30)
-        if attacker is not None:
-            attacker.kill()
-            attacker.wait()
-        assert d.stop() == 0
-        log = d.read_log()
-        assert "Traceback" not in log and "internal error" not in log, log[-3000:]
+        _stop(d, watcher, attacker)
 
 
 # migrate and the measuring after `measure`, on a 1 Mi-block region (4 GiB
@@ -302,12 +308,4 @@ def test_whole_region_migrate_and_measure_of_1mi_blocks_answer_others_between_ba
         assert max(during) >= 8, f"answers to another client while explain ran: {during}"
         print(f"answers during explain: {during}")
     finally:
-        if watcher is not None:
-            watcher.stop.set()
-            watcher.join(timeout=30)
-        if attacker is not None:
-            attacker.kill()
-            attacker.wait()
-        assert d.stop() == 0
-        log = d.read_log()
-        assert "Traceback" not in log and "internal error" not in log, log[-3000:]
+        _stop(d, watcher, attacker)
