@@ -51,6 +51,7 @@ from kvtier import logs
 from kvtier import policy as pol
 from kvtier.blocks import (FIELDS, F_ENGINE, F_KEEP_DRAM, F_MANUAL_PIN, F_NEVER_SWAP, F_NOT_PRESENT, F_STALE,
                            F_UNMOVABLE, STUCK_PINNED, TIER_UNKNOWN, BlockTable, Slice, row_count, row_select)
+from kvtier.deferred import relay
 from kvtier.engine_moves import EngineMoves
 from kvtier.errors import InvalidArgument, KvtierError, RangeNotMapped
 from kvtier.hotness import Temperature
@@ -758,17 +759,7 @@ class Engine:
         out = self.loop.create_future()
 
         def done(f: Future) -> None:
-            if out.done():
-                return
-            if f.cancelled():
-                out.cancel()
-            elif f.exception() is not None:
-                out.set_exception(f.exception())
-            else:
-                try:
-                    out.set_result(self._explained(*f.result()))
-                except Exception as exc:  # the client is told; the loop goes on
-                    out.set_exception(exc)
+            relay(f, out, lambda result: self._explained(*result))
 
         loop = self.loop
         self.explainer.executor.submit(run).add_done_callback(lambda f: loop.call_soon_threadsafe(done, f))

@@ -134,3 +134,42 @@ def test_pins_are_saved_as_runs_and_come_back_the_same():
             assert np.array_equal(again.table.region_view(r.id, "pin_tier"), want[1])
     finally:
         buf.close()
+
+
+def test_relay_carries_a_result_a_failure_and_a_later_answer():
+    """deferred.relay, the one path from a worker's or steps' future to a
+    deferred answer: the answer made from the result, an exception raised
+    making it, and an AfterWrite answer waited for in turn, its own future's
+    failure included (the stepped migrate's relay left that answer pending)."""
+    import concurrent.futures
+
+    from kvtier.deferred import AfterWrite, relay
+
+    def boom(_):
+        raise ValueError("region gone")
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        worker = concurrent.futures.Future()
+        worker.set_result(("a", 2))
+        made = loop.create_future()
+        relay(worker, made, lambda r: r[0] * r[1])
+        failed = loop.create_future()
+        relay(worker, failed, boom)
+        later, durable = loop.create_future(), loop.create_future()
+        relay(worker, later, lambda _: AfterWrite(durable, {"queued": 3}))
+        broken, write = loop.create_future(), loop.create_future()
+        relay(worker, broken, lambda _: AfterWrite(write, None))
+        assert not later.done() and not broken.done()
+        durable.set_result(None)
+        write.set_exception(OSError(28, "no space"))
+        await asyncio.sleep(0)
+        cancelled = concurrent.futures.Future()
+        cancelled.cancel()
+        gone = loop.create_future()
+        relay(cancelled, gone)
+        return made.result(), failed.exception(), later.result(), broken.exception(), gone.cancelled()
+
+    made, failed, later, broken, gone = asyncio.run(main())
+    assert made == "aa" and isinstance(failed, ValueError) and later == {"queued": 3}
+    assert isinstance(broken, OSError) and broken.errno == 28 and gone
