@@ -736,6 +736,29 @@ class Engine:
         return self._explained(snap, row, pol.explain(snap, row, self.tier_states(), self.policy_cfg, self.pstate,
                                                       self.clock()))
 
+    def read_soon(self, read: Callable[[], Any]) -> "asyncio.Future":
+        """``read()`` on the explain thread, for an answer that reads the
+        whole table (O(table): hundreds of ms of the loop at 1 Mi blocks);
+        run again if the table's layout changed meanwhile (a region added
+        or removed moves rows), up to EXPLAIN_TRIES times. ``read`` takes
+        what it needs of the registry itself (a copy of a dict is one step
+        under the GIL) and must not change anything."""
+        reg = self.registry
+
+        def run() -> Any:
+            for _ in range(EXPLAIN_TRIES):
+                gen = reg.generation
+                out = read()
+                if reg.generation == gen:
+                    return out
+            raise KvtierError(f"the block table changed {EXPLAIN_TRIES} times while it was read: try again")
+
+        out = self.loop.create_future()
+        loop = self.loop
+        self.explainer.executor.submit(run).add_done_callback(
+            lambda f: loop.call_soon_threadsafe(relay, f, out))
+        return out
+
     def explain_soon(self, region_id: int, block: int) -> "asyncio.Future[str]":
         """``explain`` of a region's block, the table copied and the policy
         run on the explain thread: both cost O(table), 0.4 s of the loop at

@@ -976,23 +976,36 @@ class ControlAPI:
             page["next"] = last
         return page
 
-    def op_ages(self, peer: Peer, req: protocol.Ages) -> dict:
+    def op_ages(self, peer: Peer, req: protocol.Ages) -> Any:
         """Bytes by time since last access, per tier and tenant, over the
-        regions the caller may see (all for privileged callers)."""
+        regions the caller may see (all for privileged callers). Worked on
+        the explain thread a piece of rows at a time (ages.age_bytes_of_rows):
+        on the loop it held every client 0.88 s at 1 Mi blocks."""
         table, reg = self.registry.table, self.registry
-        cols = [table.tier, table.tenant, table.nbytes, table.last_access]
-        if not peer.privileged:
-            visible = np.zeros(len(table), dtype=bool)
-            for r in reg.regions.values():
-                if r.owner_uid == peer.uid:
-                    s = table.slices[r.id]
-                    visible[s.start:s.stop] = True
-            cols = [c[visible] for c in cols]
+        now = reg.clock()
+        uid = None if peer.privileged else peer.uid
+
+        def read() -> dict:
+            if uid is None:
+                spans = [(0, len(table))]
+            else:
+                slices = dict(table.slices)
+                spans = sorted((slices[r.id].start, slices[r.id].stop) for r in list(reg.regions.values())
+                               if r.owner_uid == uid and r.id in slices)
+            cols = (table.tier, table.tenant, table.nbytes, table.last_access)
+            return ages.age_bytes_of_rows(cols, spans, now)
+
         names = {tid: name for name, tid in reg.tenants.items()}
-        rows = [{"tier": t, "tenant": names.get(tn, str(tn)), "bytes": b}
-                for (t, tn), b in sorted(ages.age_bytes(*cols, reg.clock()).items())]
-        return {"buckets": list(ages.AGE_LABELS), "edges_s": list(ages.AGE_EDGES), "rows": rows,
-                "tier_names": self.engine.tier_names()}
+        tier_names = self.engine.tier_names()
+
+        def answer(by_key: dict) -> dict:
+            rows = [{"tier": t, "tenant": names.get(tn, str(tn)), "bytes": b} for (t, tn), b in sorted(by_key.items())]
+            return {"buckets": list(ages.AGE_LABELS), "edges_s": list(ages.AGE_EDGES), "rows": rows,
+                    "tier_names": tier_names}
+
+        out = asyncio.get_running_loop().create_future()
+        self.engine.read_soon(read).add_done_callback(lambda f: relay(f, out, answer))
+        return AfterWrite(out, None)
 
     def op_blocks(self, peer: Peer, req: protocol.Blocks) -> dict:
         reg = self._own(peer, req.region)

@@ -15,6 +15,14 @@ moves, measuring).
     wait), measure, explain (block 0), query (first page), blocks (first
     page), unregister
 
+``--regions N`` splits the blocks into N regions of equal size instead,
+and ``--ops`` picks the ops (a comma-separated list of the names above and
+the operator ops, which read every registered block rather than one
+region's): ages, tiers, status, regions (the first page), regions all
+(every page, one request after the other), and "state save" (register and
+unregister of a one-block region: the unregister is answered once the
+state file, listing every region, is written).
+
 A swap area must be active for the swap moves (the script says so and
 skips them otherwise). ``--daemon-path DIR`` runs the daemon from another
 checkout's ``daemon/`` (a before/after comparison):
@@ -71,9 +79,13 @@ def main() -> int:
     ap.add_argument("--stride", type=int, default=64, help="one page written every STRIDE blocks")
     ap.add_argument("--after", type=float, default=3.0, help="seconds watched after each op")
     ap.add_argument("--daemon-path", help="PYTHONPATH for the daemon (another checkout's daemon/)")
+    ap.add_argument("--regions", type=int, default=1, help="split the blocks into this many regions")
+    ap.add_argument("--ops", help="comma-separated ops to run, in order (default: the whole-region ops)")
     ap.add_argument("--json")
     args = ap.parse_args()
     nb = args.blocks
+    if args.regions < 1 or nb % args.regions:
+        ap.error(f"--regions must divide --blocks ({nb})")
     d = tempfile.mkdtemp(prefix="kvtier-bench-")
     sock_path, cfg = f"{d}/kvtierd.sock", f"{d}/kvtierd.toml"
     with open(cfg, "w") as f:
@@ -100,10 +112,16 @@ def main() -> int:
         s = socket.socket(socket.AF_UNIX)
         s.connect(sock_path)
         reader = protocol.FrameReader(1 << 30)
-        r = call(s, reader, {"op": "register", "id": 1, "start": buffer_address(buf)[0], "length": nb * 4096,
-                             "block_size": 4096})
-        assert r.ok, r
-        region = r.result["region"]
+        per = nb // args.regions * 4096
+        base = buffer_address(buf)[0]
+        for k in range(args.regions):
+            r = call(s, reader, {"op": "register", "id": 1, "start": base + k * per, "length": per,
+                                 "block_size": 4096})
+            assert r.ok, r
+            if k == 0:
+                region = r.result["region"]
+        spare = mmap.mmap(-1, 4096)  # the "state save" op's one-block region
+        spare[0] = 1
         tiers = {t["name"]: t["index"] for t in call(s, reader, {"op": "tiers", "id": 2}).result["tiers"]}
         answers: list[float] = []
 
@@ -133,10 +151,38 @@ def main() -> int:
             ops += [("migrate dram --wait", {"op": "migrate", "tier": tiers["dram"], "wait": True})]
         ops += [("measure", {"op": "measure"}), ("explain", {"op": "explain", "block": 0}),
                 ("query", {"op": "query"}), ("blocks", {"op": "blocks"}), ("unregister", {"op": "unregister"})]
+        # Operator ops: no region, they read every registered block.
+        anyops = [("ages", {"op": "ages"}), ("tiers", {"op": "tiers"}), ("status", {"op": "status"}),
+                  ("regions", {"op": "regions"}), ("regions all", None), ("state save", None)]
+        operator = {n for n, _ in anyops}
+        if args.ops:
+            known = dict(ops + anyops)
+            names = [n.strip() for n in args.ops.split(",") if n.strip()]
+            bad = [n for n in names if n not in known]
+            if bad:
+                ap.error(f"unknown ops {bad}; known: {', '.join(known)}")
+            ops = [(n, known[n]) for n in names]
+
+        def send(name: str, req: dict | None, rid: int) -> protocol.Response:
+            if name == "regions all":  # every page, as kvtierctl regions does
+                after, r = 0, None
+                while after is not None:
+                    r = call(s, reader, {"op": "regions", "id": rid, "after": after})
+                    after = r.result.get("next") if r.ok else None
+                return r
+            if name == "state save":
+                r = call(s, reader, {"op": "register", "id": rid, "start": buffer_address(spare)[0],
+                                     "length": 4096, "block_size": 4096})
+                assert r.ok, r
+                return call(s, reader, {"op": "unregister", "id": rid, "region": r.result["region"]})
+            if name in operator:
+                return call(s, reader, {**req, "id": rid})
+            return call(s, reader, {**req, "id": rid, "region": region})
+
         rows = []
         for i, (name, req) in enumerate(ops):
             t0 = time.monotonic()
-            r = call(s, reader, {**req, "id": 10 + i, "region": region})
+            r = send(name, req, 10 + i)
             t1 = time.monotonic()
             time.sleep(args.after)
             t2 = time.monotonic()
@@ -149,7 +195,8 @@ def main() -> int:
             print(f"{name:22s} op {row['op_s'] * 1e3:8.1f} ms  answers {row['answers_during']:6d}  "
                   f"wait {row['wait_s'] * 1e3:7.1f} ms  after {row['after_s'] * 1e3:7.1f} ms"
                   + ("" if r.ok else f"  {r.error}"), flush=True)
-        out = {"machine": machine(), "blocks": nb, "stride": args.stride, "load": os.getloadavg(), "ops": rows}
+        out = {"machine": machine(), "blocks": nb, "regions": args.regions, "stride": args.stride,
+               "load": os.getloadavg(), "ops": rows}
         print(f"{machine()}; load {os.getloadavg()[0]:.1f}")
         if args.json:
             with open(args.json, "w") as f:
