@@ -310,6 +310,35 @@ class SourcePace:
     share: float = 0.0  # of one core over the last collect interval
 
 
+def mark_prefetched(table: Any, temperature: Temperature, rows: np.ndarray, cfg: pol.PolicyConfig) -> None:
+    """What a client's ``prefetch`` does to the blocks' hotness: hot as far
+    as the policy is concerned, so it does not send them straight back down
+    as cold between the watermarks. kvtier-sim's kvtier runs this too."""
+    table.temp[rows] = np.maximum(table.temp[rows], np.float32(cfg.promote_temp))
+    temperature.recheck(table, rows)  # raised outside Temperature.add: test its silence again
+
+
+def fit_scheduled(pstate: pol.PolicyState, cfg: pol.PolicyConfig, now: float, nbytes: np.ndarray,
+                  up: np.ndarray, asked: np.ndarray) -> tuple[np.ndarray, pol.PolicyState]:
+    """Which scheduled moves (prefetch/release) the policy's token buckets
+    pay for now, one bucket per direction, oldest request first, and the
+    state with those tokens spent; what does not fit waits for the mover's
+    next turn. kvtier-sim's kvtier decides its prefetches with this too."""
+    nb = nbytes.astype(np.float64)
+    pstate = pstate.refill(cfg, now, float(nb.max()))
+    fits = np.zeros(nb.size, dtype=bool)
+    spent = {}
+    order = np.argsort(asked, kind="stable")
+    for direction, mask, have in (("promote", up, pstate.promote_tokens),
+                                  ("demote", ~up, pstate.demote_tokens)):
+        o = order[mask[order]]
+        ok = np.cumsum(nb[o]) <= have + 0.5
+        fits[o[ok]] = True
+        spent[direction] = float(nb[o[ok]].sum())
+    return fits, replace(pstate, promote_tokens=pstate.promote_tokens - spent["promote"],
+                         demote_tokens=pstate.demote_tokens - spent["demote"])
+
+
 class Engine:
     def __init__(
         self,
@@ -869,10 +898,7 @@ class Engine:
         movable = (tier >= 0) & ((flags & (F_UNMOVABLE | F_NOT_PRESENT)) == 0)
         if kind == "prefetch":
             dst = np.zeros(n, dtype=np.int64)
-            # Hot as far as the policy is concerned, so it does not send them
-            # straight back down as cold between the watermarks.
-            t.temp[rows] = np.maximum(t.temp[rows], np.float32(self.policy_cfg.promote_temp))
-            self.temperature.recheck(t, rows)  # raised outside Temperature.add: test its silence again
+            mark_prefetched(t, self.temperature, rows, self.policy_cfg)
         else:
             slowest_mem = max([x.index for x in self.topology.tiers if x.kind != "swap"], default=0)
             dst = np.minimum(tier + 1, len(self.topology.tiers) - 1)
@@ -1078,22 +1104,7 @@ class Engine:
         rows, dst, asked, timed, src = rows[go], dst[go], asked[go], timed[go], src[go]
         if rows.size == 0:
             return None
-        # The policy's token buckets, one per direction, oldest request
-        # first; what does not fit waits for the mover's next turn.
-        nb = t.nbytes[rows].astype(np.float64)
-        self.pstate = self.pstate.refill(self.policy_cfg, now, float(nb.max()))
-        up = dst < src
-        fits = np.zeros(rows.size, dtype=bool)
-        spent = {}
-        order = np.argsort(asked, kind="stable")
-        for direction, mask, have in (("promote", up, self.pstate.promote_tokens),
-                                      ("demote", ~up, self.pstate.demote_tokens)):
-            o = order[mask[order]]
-            ok = np.cumsum(nb[o]) <= have + 0.5
-            fits[o[ok]] = True
-            spent[direction] = float(nb[o[ok]].sum())
-        self.pstate = replace(self.pstate, promote_tokens=self.pstate.promote_tokens - spent["promote"],
-                              demote_tokens=self.pstate.demote_tokens - spent["demote"])
+        fits, self.pstate = fit_scheduled(self.pstate, self.policy_cfg, now, t.nbytes[rows], dst < src, asked)
         if not fits.all():
             w = ~fits
             self.scheduled.append((t.region[rows[w]].astype(np.int64), t.index[rows[w]].astype(np.int64),
