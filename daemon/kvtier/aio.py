@@ -92,6 +92,7 @@ class AsyncRegion(Region):
         if self.closed:
             return
         self._drop_pending()
+        self._close_hint_sets()
         await self.client.call(protocol.Unregister(region=self.id))
         self.closed = True
         self._keepalive = None

@@ -5,6 +5,8 @@
         region = kv.register(kv_cache_tensor_or_mmap, block_size=2 << 20, name="layer0",
                              tenant="team-a", constraints=["never_swap"])
         region.hint([3, 4, 9])          # batched: sent when the batch is full or old
+        hs = region.hint_set([3, 4, 9]) # or: the blocks a step reads, declared once,
+        hs.touch()                      #   counted per step, sent every hint_interval
         region.phase("prefill_done", [3, 4])
         tiers = region.query()          # numpy int8, one tier per block
         region.unregister()             # or leave the `with region:` block
@@ -39,6 +41,7 @@ import mmap
 import os
 import socket
 import time
+import weakref
 from typing import Any, Callable, Iterable, Iterator
 
 import msgspec
@@ -265,6 +268,10 @@ class Region:
         self._sent_at = -math.inf  # when the last batch left (about: the clock read before it)
         self._first_pending = 0.0
         self.closed = False
+        # The region's open hint sets (HintSet): flushed with its hints,
+        # closed with it. Weak: a set the engine drops without closing it
+        # takes at most its last interval's counts with it, not memory.
+        self._hint_sets: weakref.WeakSet[HintSet] = weakref.WeakSet()
         self._ring_word = hintring.region_word(self.id)  # names this region in the hint ring
         self.memory: PoolMemory | None = None  # set by Client.allocate
         self.placement: dict = {k: info[k] for k in ("tier", "tier_name", "node", "reason", "pinned") if k in info}
@@ -342,7 +349,7 @@ class Region:
         cl = self.client
         self._batch_b = 4 * cl.hint_batch
         if self._pending_b >= self._batch_b:
-            self.flush()
+            self._flush_hints()
             return
         self._clock(self._pending_b - last, cl.hint_interval)
 
@@ -358,7 +365,7 @@ class Region:
                 # (a new request's blocks, a resumed session): it goes now.
                 self._clock_at = now
                 self._until_clock = self._stride
-                self.flush()
+                self._flush_hints()
                 return
         else:
             span = now - self._clock_at
@@ -369,7 +376,7 @@ class Region:
         self._clock_at = now
         self._until_clock = self._stride
         if now - self._first_pending >= interval:
-            self.flush()
+            self._flush_hints()
 
     def _drop_pending(self) -> None:
         self._sent_at = self._clock_at  # (the last clock read: close enough for "idle since")
@@ -387,12 +394,20 @@ class Region:
         return b, b"".join(ones(len(p)) if cp is None else cp for p, cp in zip(parts, cparts))
 
     def flush(self) -> None:
-        """Send the pending hints now (without waiting for the daemon): into
+        """Send the pending hints and the counts of the region's hint sets
+        now (without waiting for the daemon)."""
+        self._flush_hints()
+        for hs in list(self._hint_sets):
+            hs.flush()
+
+    def _flush_hints(self) -> None:
+        if self._pending:
+            self._send(*self._take())
+
+    def _send(self, b: bytes, c: bytes | None) -> None:
+        """Packed block indices (and counts, None: 1 each) to the daemon: into
         the connection's hint ring if it has one and room, else (and for
         hints with counts) on the socket."""
-        if not self._pending:
-            return
-        b, c = self._take()
         if c is None and self.client._ring_put(self._ring_word, b):
             return
         # Stay under the daemon's frame limit: 8 bytes per entry (index +
@@ -481,14 +496,225 @@ class Region:
             first = r["next"]
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
+    def hint_set(self, blocks: Iterable[int] | np.ndarray = ()) -> "HintSet":
+        """The blocks one step of the engine reads, declared once: then
+        ``touch()`` per step instead of ``hint(blocks)`` (see HintSet)."""
+        hs = HintSet(self, blocks)
+        self._hint_sets.add(hs)
+        return hs
+
+    def _close_hint_sets(self) -> None:
+        """The region is going: its sets' counts would name nothing."""
+        for hs in list(self._hint_sets):
+            hs._detach()
+
     def unregister(self) -> None:
         if self.closed:
             return
         self._drop_pending()
+        self._close_hint_sets()
         self.client.call(protocol.Unregister(region=self.id))
         self.closed = True
         self._keepalive = None
         self.client._regions.pop(self.id, None)
+
+
+class HintSet:
+    """The blocks an engine's step reads, declared once; ``touch()`` per step.
+
+        hs = region.hint_set(block_table_of_this_sequence)
+        for step in decode:
+            hs.touch()                    # every block of the set read once
+            if grew:
+                hs.extend([new_block])    # read from this step on
+        hs.close()                        # or ``with region.hint_set(...) as hs:``
+
+    The daemon sees what ``region.hint(blocks)`` once per step would have
+    told it (the same entries, so the same temperatures and hint counters),
+    at a cost per step of about one attribute increment and a comparison:
+    ``touch()`` counts, and every 1-16 touches (MAX_CLOCK_STRIDE, adapted
+    as ``Region.hint`` does) looks at the clock; once ``hint_interval`` has
+    passed since the last flush, ``flush()`` sends the counts. The first
+    touch after an interval without one is sent at once (it is the one a
+    promotion waits for).
+
+    A flush sends each block as often as it was read, through the hint ring
+    where the connection has one (no system call), else on the socket;
+    past ``hint_batch`` entries in one flush, as one entry per block with
+    its count instead (the same temperatures; the daemon's hint counters
+    then count entries, fewer). Errors come later, as for any hint
+    (``Client.flush()``, ``async_errors``).
+
+    ``extend`` (a sequence grew) and ``replace`` (a different set) are cheap
+    (one numpy add over the set, amortised growth): touches before the
+    change count for the blocks the set held then, touches after it for
+    the new ones. ``Region.flush``, ``Client.flush`` and ``Client.close``
+    flush every open set; ``close()`` flushes and retires this one;
+    unregistering the region retires its sets without sending (their
+    region is gone). A touch of a retired set raises ValueError, at the
+    latest at its next look at the clock."""
+
+    def __init__(self, region: Region, blocks: Iterable[int] | np.ndarray = ()):
+        self.region = region
+        self.touches = 0  # touch() calls, in all
+        self._check_at = 1  # touches at which touch() next looks at the clock
+        self._stride = 1
+        self._clock_at = 0.0
+        self._sent_at = -math.inf
+        self._since = 0  # touches when the current blocks were last counted (flush or change)
+        self._ids = np.zeros(0, dtype=_BLOCKS_DTYPE)  # the set, in its first _len entries
+        self._acc = np.zeros(0, dtype=protocol.COUNTS_DTYPE)  # reads counted at changes, per entry
+        self._folded = False  # _acc has something not sent yet
+        self._len = 0
+        self._retired: list[tuple[np.ndarray, np.ndarray]] = []  # replaced sets' (blocks, counts) not sent
+        self.closed = False
+        self.extend(blocks)
+
+    def touch(self) -> None:
+        """One step read every block of the set."""
+        self.touches += 1
+        if self.touches >= self._check_at:
+            self._clock()
+
+    def __len__(self) -> int:
+        return self._len
+
+    @property
+    def blocks(self) -> np.ndarray:
+        """The set now (a copy)."""
+        return self._ids[: self._len].copy()
+
+    @property
+    def pending(self) -> int:
+        """Block reads counted and not sent yet."""
+        n = (self.touches - self._since) * self._len
+        if self._folded:
+            n += int(self._acc[: self._len].sum())
+        return n + sum(int(c.sum()) for _, c in self._retired)
+
+    def _valid(self, blocks: Iterable[int] | np.ndarray) -> np.ndarray:
+        if self.closed:
+            raise ValueError(f"hint set of region {self.region.id} is closed")
+        b = np.asarray(blocks if isinstance(blocks, np.ndarray) else list(blocks), dtype=np.int64).ravel()
+        if b.size and (int(b.min()) < 0 or int(b.max()) >= self.region.nblocks):
+            raise ValueError(f"block index out of range 0..{self.region.nblocks - 1} for region {self.region.id}")
+        return b
+
+    def _fold(self) -> None:
+        """Count the touches since the last count for the blocks held now."""
+        n = self.touches - self._since
+        if n and self._len:
+            self._acc[: self._len] += np.uint32(n)
+            self._folded = True
+        self._since = self.touches
+
+    def extend(self, blocks: Iterable[int] | np.ndarray) -> None:
+        """Add blocks to the set; they count from the next touch."""
+        b = self._valid(blocks)
+        if not b.size:
+            return
+        self._fold()
+        end = self._len + b.size
+        if end > self._ids.size:
+            cap = max(end, 2 * self._ids.size, 16)
+            ids = np.zeros(cap, dtype=_BLOCKS_DTYPE)
+            acc = np.zeros(cap, dtype=protocol.COUNTS_DTYPE)
+            ids[: self._len], acc[: self._len] = self._ids[: self._len], self._acc[: self._len]
+            self._ids, self._acc = ids, acc
+        self._ids[self._len : end] = b
+        self._acc[self._len : end] = 0
+        self._len = end
+
+    def replace(self, blocks: Iterable[int] | np.ndarray) -> None:
+        """The set is now ``blocks``; touches so far stay with the old one."""
+        b = self._valid(blocks)
+        self._fold()
+        if self._folded:
+            counts = self._acc[: self._len].copy()
+            keep = counts > 0
+            self._retired.append((self._ids[: self._len][keep].copy(), counts[keep]))
+        self._len, self._folded = 0, False
+        self.extend(b)
+
+    def _clock(self) -> None:
+        """Every _stride touches: flush once hint_interval has passed since
+        the last flush; the stride adapts as in ``Region._clock``."""
+        if self.closed:
+            raise ValueError(f"hint set of region {self.region.id} is closed")
+        now = time.monotonic()
+        interval = self.region.client.hint_interval
+        if now - self._sent_at >= interval:
+            self._send(now)
+            return
+        span = now - self._clock_at
+        if span < interval / 16 and self._stride < MAX_CLOCK_STRIDE:
+            self._stride *= 2
+        elif span > interval / 4:
+            self._stride = 1
+        self._clock_at = now
+        self._check_at = self.touches + self._stride
+
+    def _take(self) -> list[tuple[np.ndarray, np.ndarray | int]]:
+        """What is counted and not sent: (blocks, counts per block, or one
+        count for all), and counting starts again from zero."""
+        n = self.touches - self._since
+        out: list[tuple[np.ndarray, np.ndarray | int]] = list(self._retired)
+        self._retired = []
+        ids = self._ids[: self._len]
+        if self._folded:
+            out.append((ids.copy(), self._acc[: self._len] + np.uint32(n)))
+            self._acc[: self._len] = 0
+            self._folded = False
+        elif n and self._len:
+            out.append((ids.copy(), n))
+        self._since = self.touches
+        return out
+
+    def flush(self) -> None:
+        """Send the counts now (without waiting for the daemon)."""
+        self._send(time.monotonic())
+
+    def _send(self, now: float) -> None:
+        # Whatever happens below, the next touch looks at the clock: the
+        # interval since this flush starts now.
+        self._sent_at = self._clock_at = now
+        self._check_at = self.touches + 1
+        parts = self._take()
+        if not parts:
+            return
+        region = self.region
+        total = sum(int(b.size) * c if isinstance(c, int) else int(c.sum()) for b, c in parts)
+        if total <= region.client.hint_batch:
+            # Each block as often as it was read: the entries a hint per
+            # step would have made (np.tile keeps their order, too).
+            b = np.concatenate([np.tile(b, c) if isinstance(c, int) else np.repeat(b, c) for b, c in parts])
+            region._send(b.tobytes(), None)
+            return
+        blocks = np.concatenate([b for b, _ in parts])
+        counts = np.concatenate([np.full(b.size, c, dtype=protocol.COUNTS_DTYPE) if isinstance(c, int)
+                                 else c.astype(protocol.COUNTS_DTYPE) for b, c in parts])
+        read = counts > 0  # a block added and not touched since: no entry (one would start its run)
+        region._send(blocks[read].tobytes(), counts[read].tobytes())
+
+    def _detach(self) -> None:
+        self.closed = True
+        self._check_at = 0  # the next touch looks, and raises
+        self._retired, self._len, self._folded = [], 0, False
+        self.region._hint_sets.discard(self)
+
+    def close(self) -> None:
+        """Send what is counted and retire the set."""
+        if self.closed:
+            return
+        if not self.region.closed:
+            self.flush()
+        self._detach()
+
+    def __enter__(self) -> "HintSet":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def register_range(obj: Any, length: int | None, addr: int | None) -> tuple[int, int, Any]:
