@@ -107,6 +107,9 @@ class GuestRun:
     collect_errors: dict[str, str] = field(default_factory=dict)
     garbled: list[str] = field(default_factory=list)
     slowness: float = 1.0
+    # ``-s`` on the host: the guest's pytest does not capture either, so a
+    # test's prints reach run.out in the share (the figures some tests print).
+    no_capture: bool = False
     boot_seconds: float | None = None
     run_seconds: float | None = None
     wall_seconds: float = 0.0
@@ -122,7 +125,8 @@ class GuestRun:
             # Importing these two plugins over 9p under TCG costs ~13 s of a
             # ~17 s guest collection; vm tests use neither (benchmarks live in
             # scripts/bench, and @given works without the pytest plugin).
-            "-p", "no:hypothesispytest", "-p", "no:benchmark", *self.nodeids,
+            "-p", "no:hypothesispytest", "-p", "no:benchmark", *(["-s"] if self.no_capture else []),
+            *self.nodeids,
         ]
         return [
             sys.executable, str(RUN_PY), *MODES[self.mode], "--share", str(self.share),
@@ -333,7 +337,7 @@ def pytest_collection_modifyitems(session, config, items):
             # guest applies that one, scaled) may cut it short: first in line.
             proxy.add_marker(pytest.mark.timeout(0), append=False)
         items[i] = proxy
-        runs.setdefault(mode, GuestRun(mode, [])).nodeids.append(item.nodeid)
+        runs.setdefault(mode, GuestRun(mode, [], no_capture=config.getoption("capture") == "no")).nodeids.append(item.nodeid)
     config.stash[_RUNS_KEY] = runs
 
 
