@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import mmap
 import platform
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -257,16 +258,33 @@ class BlockTable:
 
     def remove_region(self, region: int) -> None:
         """Drop a region's blocks, shifting later regions down (one copy per array)."""
-        s = self.slices.pop(region)
-        tail = slice(s.stop, self.n)
+        self.remove_regions([region])
+
+    def remove_regions(self, regions: Iterable[int]) -> None:
+        """Drop the blocks of several regions in one pass: the rows kept are
+        compacted once per array, and every later region's slice moves down
+        by the rows dropped before it. A process with 1,000 regions exiting
+        costs one copy of the table, not 1,000 (4.5 s of the event loop at
+        1 TiB in 2 MiB blocks, one region at a time)."""
+        gone = sorted((self.slices.pop(r) for r in dict.fromkeys(regions)), key=lambda v: v.start)
+        if not gone:
+            return
+        n = self.n
+        keep = np.ones(n, dtype=bool)
+        for v in gone:
+            keep[v.start : v.stop] = False
+        dropped = sum(v.count for v in gone)
+        first = gone[0].start  # rows before it stay where they are
         for arr in self._a.values():
-            arr[s.start : self.n - s.count] = arr[tail].copy()
-        self.n -= s.count
+            arr[first : n - dropped] = arr[first:n][keep[first:]]
+        self.n = n - dropped
         self.version += 1
-        self.slices = {
-            r: (Slice(v.start - s.count, v.count) if v.start > s.start else v)
-            for r, v in self.slices.items()
-        }
+        # Each remaining slice moves down by the rows of the dropped slices
+        # that start before it.
+        before = np.concatenate(([0], np.cumsum([v.count for v in gone], dtype=np.int64)))
+        at = np.fromiter((v.start for v in self.slices.values()), dtype=np.int64, count=len(self.slices))
+        shift = before[np.searchsorted(np.array([v.start for v in gone], dtype=np.int64), at)]
+        self.slices = {r: Slice(v.start - int(d), v.count) for (r, v), d in zip(self.slices.items(), shift)}
 
     def region_view(self, region: int, name: str) -> np.ndarray:
         s = self.slices[region]

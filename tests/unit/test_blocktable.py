@@ -87,3 +87,31 @@ def test_capacity_is_reserved_so_adding_never_copies_the_table():
         t.add_region(r, 10, r << 32, 4096 * 20_000, 4096)
     assert all(t._a[name] is arrays[name] for name in FIELDS)
     assert t.version == 39  # one layout change per region added, none for growing
+
+
+def test_removing_several_regions_at_once_keeps_every_other_row_as_removing_them_one_by_one():
+    def table() -> BlockTable:
+        t = BlockTable()
+        for r, (n, kw) in enumerate([(7, {}), (300, KW), (1, {}), (45, dict(flags=1, priority=5, tenant=9)),
+                                     (128, {}), (3, KW)]):
+            t.add_region(10 + r, 100 + r, 0x10000000 * (r + 1), 4096 * n, 4096, **kw)
+            t.region_view(10 + r, "temp")[:] = np.arange(n, dtype=np.float32) + r  # per-row state moves too
+        return t
+
+    drop = [15, 11, 13, 11]  # unsorted, the first region's neighbour, the last one, a repeat
+    one_by_one = table()
+    for r in dict.fromkeys(drop):
+        one_by_one.remove_region(r)
+    at_once = table()
+    version = at_once.version
+    at_once.remove_regions(drop)
+    assert at_once.version > version  # a staged region starts again
+    assert len(at_once) == len(one_by_one) == 7 + 1 + 128
+    assert at_once.slices == one_by_one.slices
+    assert {r: (v.start, v.count) for r, v in at_once.slices.items()} == {10: (0, 7), 12: (7, 1), 14: (8, 128)}
+    assert at_once.addr[8 + 5] == 0x10000000 * 5 + 5 * 4096 and at_once.pid[7] == 102
+    for r in at_once.slices:
+        _same(_rows(at_once, r), _rows(one_by_one, r))
+    rows = at_once.rows_of(np.array([10, 12, 14, 11]), np.array([6, 0, 127, 0]))
+    np.testing.assert_array_equal(rows, [6, 7, 8 + 127, -1])
+    assert at_once.temp[rows[2]] == 127 + 4
