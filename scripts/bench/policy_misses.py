@@ -15,6 +15,9 @@ it from the prefix cache, phase ``active``):
 
 Each is a share of all reads; the DRAM hit ratio is 1 minus their sum. Also
 promotions, and those of blocks demoted within the minute before (ping-pong).
+kvtier runs here without its prefetch at arrival (``--kvtier-prefetch
+off``): the classes take a block's tier at the tick's end for all its reads,
+which a move inside the tick breaks; `taken` is what the prefetch is for.
 
     .venv/bin/python scripts/bench/policy_misses.py --trace synthetic --model llama-3-8b --frac 0.1 --requests 1500
     .venv/bin/python scripts/bench/policy_misses.py --preset chat --policies kvtier,lru
@@ -123,7 +126,10 @@ def main() -> None:
     print("| policy | DRAM hit | " + " | ".join(CLASSES) + " | GiB moved | promotions | of them ping-pong |")
     print("|---" * 10 + "|")
     for name in args.policies.split(","):
-        p = instrumented(FeasibleOracle() if name == "feasible-oracle" else POLICIES[name]())
+        if name == "feasible-oracle":
+            p = instrumented(FeasibleOracle())
+        else:
+            p = instrumented(POLICIES[name](prefetch=False) if name == "kvtier" else POLICIES[name]())
         r = simulate(src, cfg, p)
         tot = p.total or 1.0
         shares = " | ".join(f"{v / tot:.4f}" for v in p.by)

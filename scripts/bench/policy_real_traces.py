@@ -44,18 +44,18 @@ NAMES = ("kvtier",) + BASELINES + ("feasible-oracle", "belady-min")
 PRESET_DRAM_FRAC = 0.3  # kvtier-sim's default for block traces (of peak live bytes)
 
 
-def run_policy(source, cfg, name: str, settings):
+def run_policy(source, cfg, name: str, settings, prefetch: bool = True):
     if name == "feasible-oracle":
         return simulate(source, cfg, FeasibleOracle())
     if name == "belady-min":
         return belady_min(source, cfg)
     if name == "kvtier":
-        return simulate(source, cfg, POLICIES["kvtier"](*settings))
+        return simulate(source, cfg, POLICIES["kvtier"](*settings, prefetch=prefetch))
     return simulate(source, cfg, POLICIES[name]())
 
 
 def cell(job: tuple) -> dict:
-    kind, name, model, frac, decode_tps, sets = job
+    kind, name, model, frac, decode_tps, sets, prefetch = job
     settings = kvtier_settings(sets)
     if kind == "trace":
         src = RequestTrace(TRACES[name], model=model, decode_tps=decode_tps)
@@ -72,7 +72,7 @@ def cell(job: tuple) -> dict:
     out = {"label": label, "results": {}}
     for n in NAMES:
         t0 = time.perf_counter()
-        r = run_policy(src, cfg, n, settings)
+        r = run_policy(src, cfg, n, settings, prefetch)
         out["results"][n] = {"hit": r.fast_hit, "moved": sum(r.migrated_bytes.values()), "s": time.perf_counter() - t0}
     return out
 
@@ -97,6 +97,8 @@ def main() -> int:
     ap.add_argument("--presets", action="store_true", help="also the synthetic presets chat, rag, bursty")
     ap.add_argument("--only-presets", action="store_true")
     ap.add_argument("--set", action="append", help="kvtier setting over the shipped default (as kvtier-sim --set)")
+    ap.add_argument("--kvtier-prefetch", choices=("on", "off"), default="on",
+                    help="kvtier's client prefetches each request's cached blocks at its arrival (kvtier-sim's default)")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
@@ -106,15 +108,15 @@ def main() -> int:
         for tr in args.traces.split(","):
             for model in args.models.split(","):
                 for f in fracs:
-                    jobs.append(("trace", tr, model, f, args.decode_tps, args.set))
+                    jobs.append(("trace", tr, model, f, args.decode_tps, args.set, args.kvtier_prefetch == "on"))
     if args.presets or args.only_presets:
         for p in ("chat", "rag", "bursty"):
-            jobs.append(("preset", p, "", PRESET_DRAM_FRAC, args.decode_tps, args.set))
+            jobs.append(("preset", p, "", PRESET_DRAM_FRAC, args.decode_tps, args.set, args.kvtier_prefetch == "on"))
     t0 = time.perf_counter()
     head = ["trace", "model", "DRAM"] + list(NAMES) + ["GiB moved: kvtier", "lru", "oracle", "check"]
     print(f"DRAM hit ratio (read-weighted); decode {args.decode_tps:g} tokens/s per request, 1 s ticks, one migrator "
           f"at 4 GB/s; DRAM = share of the footprint, the rest on CXL; kvtier with the daemon's shipped defaults"
-          f"{' + ' + ', '.join(args.set) if args.set else ''}")
+          f"{' + ' + ', '.join(args.set) if args.set else ''}, prefetch at arrival {args.kvtier_prefetch}")
     print()
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head), flush=True)

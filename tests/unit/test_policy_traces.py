@@ -2,11 +2,13 @@
 fixed slice of each in-repo Mooncake trace (tests/data/mooncake, Apache-2.0),
 with the daemon's shipped defaults. The full grid is
 scripts/bench/policy_real_traces.py (docs/benchmarks.md); this keeps the
-claim from rotting. On these slices (2026-12-02, main 8dcb0c8) kvtier has
-0.861 / 0.823 against LRU's 0.781 / 0.698, the kernel-like 0.667 / 0.700
-and the feasible oracle's 0.991 / 0.840; with 1 GiB/s buckets 0.854 on the
-conversation slice (the demote bucket follows the allocation rate; the
-backlog, measured against demote_mbps, keeps more room free). Without phase
+claim from rotting. On these slices (2026-12-02, after main a2c96a4) kvtier,
+with the client's prefetch at each arrival (the simulator's default), has
+0.826 / 0.759 (0.890 / 0.814 without it) against LRU's 0.781 / 0.698, the
+kernel-like 0.667 / 0.700 and the feasible oracle's 0.991 / 0.840; with
+1 GiB/s buckets 0.818 (0.890) on the conversation slice (the demote bucket
+follows the allocation rate; the backlog, measured against demote_mbps,
+keeps more room free). Without phase
 messages runs still end on silence, so the phase path is covered by
 tests/unit/test_policy.py and test_hotness.py, not here."""
 

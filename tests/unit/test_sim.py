@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from kvtier.errors import ConfigError, InvalidArgument
+from kvtier.policy import PolicyConfig
 from kvtier.sim import cli
 from kvtier.sim.gen import PRESETS, generate
 from kvtier.sim.model import GIB, SimConfig, SimTier, load_config
@@ -417,3 +418,78 @@ def test_cli_replays_a_mooncake_trace_with_model_and_rates(capsys):
     from kvtier.hotness import DEFAULT_TAU_S
 
     assert doc["kvtier_settings"]["hotness"]["tau_s"] == DEFAULT_TAU_S  # the shipped default, not a sim one
+
+
+def _returning_prefix(tmp_path, migrate_gbps=None):
+    """A cached prefix on CXL that a later request takes. 64-token blocks of
+    256 MiB; DRAM holds 16. At t=0 X's 16 blocks fill DRAM, so A's two
+    blocks (hash 1, 2) land on CXL; both end at once (no decode). At t=10 s
+    A returns: prefill reads 1 and 2 (and its new block 3) at 10.0, decode
+    at 10 tokens/s reads all three at 10.1, 10.2, ... (no generated block:
+    129 + 20 tokens fit in three blocks)."""
+    from kvtier.sim.requests import RequestTrace
+
+    p = _jsonl(tmp_path / "r.jsonl", [
+        {"timestamp": 0, "input_length": 1024, "output_length": 0, "hash_ids": list(range(100, 116))},
+        {"timestamp": 10, "input_length": 128, "output_length": 0, "hash_ids": [1, 2]},
+        {"timestamp": 10000, "input_length": 129, "output_length": 20, "hash_ids": [1, 2, 3]},
+    ])
+    tr = RequestTrace(p, kv_bytes=4 << 20, block_tokens=64, decode_tps=10.0)
+    bb = tr.block_bytes
+    gbps = 4.0 if migrate_gbps is None else migrate_gbps
+    cfg = SimConfig((SimTier("dram", "dram", 16 * bb, 100.0, 40.0, gbps, 3.0),
+                     SimTier("cxl", "cxl", 20 * bb, 250.0, 20.0, gbps, 1.5)), 1.0)
+    return tr, cfg
+
+
+def _dram_reads(r, k):
+    fast, every = r.timeline
+    return float(fast[k]), float(every[k])
+
+
+def test_kvtier_prefetch_serves_a_returning_prefix_from_dram_after_its_move(tmp_path):
+    tr, cfg = _returning_prefix(tmp_path)
+    bb = tr.block_bytes
+    without = simulate(tr, cfg, Kvtier(prefetch=False))
+    # the prefix is read from CXL for the whole tick it is taken in: only block 3 from DRAM
+    assert _dram_reads(without, 10) == (10.0, 30.0)
+    r = simulate(tr, cfg, Kvtier())
+    # Asked at 10.0 s, block 1 is in DRAM at 10.067 s and block 2 at 10.134 s
+    # (256 MiB each at 4 GB/s, one after the other): the two prefill reads
+    # and block 2's first decode step (10.1 s) come from CXL, the rest from DRAM.
+    assert _dram_reads(r, 10) == (27.0, 30.0)
+    assert r.extra["prefetch_blocks_moved"] == 2 and r.extra["prefetch_blocks_refused"] == 0
+    assert r.migrated_bytes["cxl->dram"] == 2 * bb  # the prefetch's bytes count as moved
+
+
+def test_kvtier_prefetch_moves_within_the_migrator_budget_and_the_token_buckets(tmp_path):
+    # 0.62 s per move: block 1 is in DRAM at 10.62 s, block 2 at 11.24 s, in the next tick
+    tr, cfg = _returning_prefix(tmp_path, migrate_gbps=(256 << 20) / 0.62e9)
+    r = simulate(tr, cfg, Kvtier())
+    # tick 10: block 1's reads from 10.7 s on (3) and block 3's 10 from DRAM
+    assert _dram_reads(r, 10) == (13.0, 30.0)
+    # tick 11: block 2's steps at 11.0, 11.1 and 11.2 s still from CXL
+    assert _dram_reads(r, 11) == (27.0, 30.0)
+    assert r.extra["ticks_busy"] == 1  # the tick at 11 s found the migrator busy: no plan, as in the daemon
+    assert r.migrated_bytes["cxl->dram"] == 2 * tr.block_bytes
+    # A promote bucket of one block a second pays for block 1 at 10.0 s only;
+    # block 2 waits for tokens until the tick at 11 s (which moves it first
+    # and plans nothing): its step at 11.0 s is still read from CXL.
+    tr, cfg = _returning_prefix(tmp_path)
+    slow = simulate(tr, cfg, Kvtier(PolicyConfig(promote_mbps=256.0)))
+    assert _dram_reads(slow, 10) == (10.0 + 9.0, 30.0)
+    assert _dram_reads(slow, 11) == (29.0, 30.0)
+    assert slow.extra["prefetch_blocks_moved"] == 2 and slow.extra["ticks_busy"] == 0
+
+
+def test_cli_kvtier_prefetch_option(tmp_path, capsys):
+    tr, _ = _returning_prefix(tmp_path)
+    base = ["run", "--trace", str(tr.path), "--kv-bytes-per-token", str(4 << 20), "--block-tokens", "64",
+            "--decode-tps", "10", "--dram-gib", "4", "--cxl-gib", "5", "--policy", "kvtier", "--json"]
+    hits = {}
+    for flag in ("on", "off"):
+        assert cli.main(base + ["--kvtier-prefetch", flag]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["kvtier_settings"]["prefetch"] is (flag == "on")
+        hits[flag] = doc["results"][0]["hit_ratio"][0]
+    assert hits["on"] > hits["off"]

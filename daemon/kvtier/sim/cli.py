@@ -84,14 +84,14 @@ def kvtier_settings(items: list[str] | None) -> tuple[PolicyConfig, float, float
             float(cfg.get("hotness.end_of_run")))
 
 
-def make_policy(name: str, settings: tuple[PolicyConfig, float, float] | None = None):
+def make_policy(name: str, settings: tuple[PolicyConfig, float, float] | None = None, prefetch: bool = True):
     cls = POLICIES[name]
     if name == "kvtier":
-        return cls(*settings) if settings else cls()
+        return cls(*settings, prefetch=prefetch) if settings else cls(prefetch=prefetch)
     return cls()
 
 
-def run_all(tr, cfg: SimConfig, names: list[str], settings=None) -> list[Result]:
+def run_all(tr, cfg: SimConfig, names: list[str], settings=None, prefetch: bool = True) -> list[Result]:
     results = []
     for n in names:
         if n == "belady-min":
@@ -99,7 +99,7 @@ def run_all(tr, cfg: SimConfig, names: list[str], settings=None) -> list[Result]
         elif n == "feasible-oracle":
             results.append(simulate(tr, cfg, FeasibleOracle()))
         else:
-            results.append(simulate(tr, cfg, make_policy(n, settings)))
+            results.append(simulate(tr, cfg, make_policy(n, settings, prefetch)))
     opt = next((r for r in results if r.policy == "feasible-oracle"), None)
     for r in results:
         if opt is not None and opt.fast_hit > 0:
@@ -218,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
                    help="kvtier setting over the daemon's shipped default: policy.KEY (any PolicyConfig field) "
                         "or hotness.KEY (tau_s, end_of_run); repeatable")
+    r.add_argument("--kvtier-prefetch", choices=("on", "off"), default="on",
+                   help="request traces: kvtier's client prefetches each request's cached blocks at its arrival")
     r.add_argument("--json", action="store_true", help="JSON instead of a table")
     r.add_argument("--plot", help="directory for PNG plots")
     return ap
@@ -275,14 +277,15 @@ def main(argv: list[str] | None = None) -> int:
         settings = kvtier_settings(args.set) if args.set or rec is None else rec.settings()
         label = Path(args.trace).stem if args.trace else args.preset
         cfg = sized_config(tr, args)
-        results = run_all(tr, cfg, names, settings)
+        results = run_all(tr, cfg, names, settings, args.kvtier_prefetch == "on")
         cost = capacity_cost(tr, cfg)
         if args.json:
             doc = {
                 "trace": label,
                 "source": describe(tr),
                 "tiers": [asdict(t) for t in cfg.tiers],
-                "kvtier_settings": {"policy": asdict(settings[0]), "hotness": {"tau_s": settings[1],
+                "kvtier_settings": {"prefetch": args.kvtier_prefetch == "on",
+                                    "policy": asdict(settings[0]), "hotness": {"tau_s": settings[1],
                                                                                   "end_of_run": settings[2]}},
                 "results": [{k: v for k, v in asdict(r).items() if k != "timeline"} for r in results],
                 "capacity_cost": cost,

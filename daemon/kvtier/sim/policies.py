@@ -12,6 +12,14 @@ called once per tick:
     decide(now) -> (rows, dst)          moves to make, in execution order
     moved(rows, dst, ok, now)           what the migrator managed
 
+A policy with ``prefetches`` (kvtier's client prefetch) is also told, inside
+the tick, what each arriving request finds cached, and the engine's
+migrator asks it for the moves its tokens pay for:
+
+    schedule(rows, now)                 a request arriving at ``now`` will read these cached blocks
+    has_scheduled() / scheduled_job(now) -> rows   asked moves to DRAM waiting / one job of them
+    scheduled_moved(rows, ok, now)      that job's outcome (ok False: DRAM had no room)
+
 ``kvtier`` runs the real ``kvtier.policy.plan`` on the real ``kvtier.hotness``
 temperatures, with the daemon's shipped settings, fed what a client sends the
 daemon (hints for reads, ``phase`` for lifecycle); the page-cache policies see
@@ -24,7 +32,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..blocks import F_NOT_PRESENT, FIELDS, BlockTable
+from ..blocks import F_NOT_PRESENT, F_UNMOVABLE, FIELDS, BlockTable
+from ..engine import fit_scheduled, mark_prefetched
 from ..hotness import DEFAULT_TAU_S, END_OF_RUN, SOURCE_WEIGHTS, Temperature, apply_phase
 from ..policy import PolicyConfig, PolicyState, plan, record_results, refund
 
@@ -32,6 +41,7 @@ from ..policy import PolicyConfig, PolicyState, plan, record_results, refund
 class SimPolicy:
     name = "base"
     needs_future = False  # reads eng.future (the offline oracle only)
+    prefetches = False  # told each request's cached blocks at its arrival (kvtier's client prefetch)
 
     def attach(self, eng) -> None:
         self.eng = eng
@@ -245,14 +255,23 @@ class Kvtier(SimPolicy):
     (``Temperature.add``, weight of the ``hint`` source) and, for request
     traces, the lifecycle as ``phase`` messages (``hotness.apply_phase``,
     the code the daemon's registry runs): ``active`` when a request takes a
-    cached block, ``free`` when no request uses it any more."""
+    cached block, ``free`` when no request uses it any more.
+
+    With ``prefetch`` (the default) the client also sends ``prefetch`` for
+    the cached blocks a request finds at its arrival (its prefix-cache hits),
+    as docs/integrations.md has an engine do when it schedules a request:
+    the daemon's ``Engine.schedule`` and ``_build_scheduled`` on this table
+    (``engine.mark_prefetched``, ``engine.fit_scheduled``: the same hotness
+    and the same token buckets the plan spends)."""
 
     name = "kvtier"
 
-    def __init__(self, cfg: PolicyConfig | None = None, tau_s: float | None = None, end_of_run: float | None = None):
+    def __init__(self, cfg: PolicyConfig | None = None, tau_s: float | None = None, end_of_run: float | None = None,
+                 prefetch: bool = True):
         self.cfg = cfg if cfg is not None else PolicyConfig()
         self.tau_s = DEFAULT_TAU_S if tau_s is None else tau_s
         self.end_of_run = END_OF_RUN if end_of_run is None else end_of_run
+        self.prefetches = prefetch
 
     def attach(self, eng):
         super().attach(eng)
@@ -263,6 +282,7 @@ class Kvtier(SimPolicy):
         self.state = PolicyState()
         self.tiers = [t.state(i) for i, t in enumerate(eng.cfg.tiers)]
         self.view = {name: getattr(self.table, name) for name in FIELDS}  # live, no copy: plan() is pure
+        self.scheduled: list[tuple[np.ndarray, np.ndarray]] = []  # prefetches asked for: rows, when each
 
     def place(self, rows):
         dst = super().place(rows)
@@ -305,6 +325,45 @@ class Kvtier(SimPolicy):
         p, self.state = plan(self.view, self.tiers, self.cfg, self.state, now)
         self.last_plan = p
         return p.rows, p.dst
+
+    def schedule(self, rows, now):
+        """The daemon's ``Engine.schedule(rows, "prefetch")``: hot for the
+        policy, and queued for DRAM unless there already or not movable."""
+        t = self.table
+        tier = t.tier[rows]
+        movable = (tier >= 0) & ((t.flags[rows] & (F_UNMOVABLE | F_NOT_PRESENT)) == 0)
+        mark_prefetched(t, self.temp, rows, self.cfg)
+        go = movable & (tier != 0)
+        if go.any():
+            self.scheduled.append((rows[go], np.full(int(go.sum()), float(now))))
+
+    def has_scheduled(self) -> bool:
+        return bool(self.scheduled)
+
+    def scheduled_job(self, now) -> np.ndarray:
+        """The daemon's ``Engine._build_scheduled``: one request per block
+        (the latest), those not in DRAM now, as far as the promote bucket pays
+        (oldest first); the rest wait for the migrator's next turn."""
+        t = self.table
+        rows = np.concatenate([r for r, _ in self.scheduled])
+        asked = np.concatenate([at for _, at in self.scheduled])
+        self.scheduled = []
+        _, last = np.unique(rows[::-1], return_index=True)
+        keep = rows.size - 1 - last
+        rows, asked = rows[keep], asked[keep]
+        go = t.tier[rows] > 0
+        rows, asked = rows[go], asked[go]
+        if rows.size == 0:
+            return rows
+        fits, self.state = fit_scheduled(self.state, self.cfg, now, t.nbytes[rows], np.ones(rows.size, bool), asked)
+        if not fits.all():
+            self.scheduled.append((rows[~fits], asked[~fits]))
+        return rows[fits]
+
+    def scheduled_moved(self, rows, ok, now):
+        # as the daemon's _finish_move for a scheduled job: no plan, so no refund
+        record_results(self.table, rows, ok, np.zeros(rows.size, bool), now, self.cfg,
+                       dst=np.zeros(rows.size, np.int8))
 
     def moved(self, rows, dst, ok, now):
         # moves the migrator did not get to are neither successes nor failures:

@@ -55,7 +55,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InvalidArgument
-from .trace import Tick
+from .trace import Tick, TimedReads
 
 # name -> (layers, KV heads, head dim); fp16. From the models' published configs.
 MODELS: dict[str, tuple[int, int, int]] = {
@@ -144,6 +144,8 @@ class _Active:
 class RequestTrace:
     """A request trace file as a tick source for the engine (``ticks(tick_s)``)."""
 
+    has_arrivals = True  # ticks(timed=True) says what each request finds cached at its arrival
+
     def __init__(
         self,
         path: str | Path,
@@ -209,7 +211,9 @@ class RequestTrace:
         """Generated blocks after ``steps`` decode steps (the prompt's last block fills first)."""
         return max(0, -(-(inlen + steps) // self.block_tokens) - nh)
 
-    def ticks(self, tick_s: float):
+    def ticks(self, tick_s: float, timed: bool = False):
+        """The engine's ``Tick``s; ``timed`` adds the arrivals' cache hits and
+        the prompt blocks' read times (``Tick.prefetch_rows``, ``Tick.reads``)."""
         bt = self.block_tokens
         rate = self.decode_tps
         pool = self.nblocks
@@ -232,6 +236,9 @@ class RequestTrace:
             parts_r: list[np.ndarray] = []
             parts_c: list[np.ndarray] = []
             parts_t: list[np.ndarray] = []
+            hits: list[int] = []  # cached blocks the tick's arrivals find, with their arrival times
+            hits_t: list[float] = []
+            timed_parts: list[tuple[np.ndarray, float, float, float]] = []  # prompt reads: rows, first, every, count
 
             def slot() -> int:
                 if free_ids:
@@ -259,15 +266,20 @@ class RequestTrace:
                         slot_of[h] = s
                         hash_of[s] = h
                         alloc.append(s)
-                    elif ref[s] == 0:
-                        cached.pop(s, None)
-                        acquired.append(s)
+                    else:
+                        hits.append(s)
+                        hits_t.append(r.t)
+                        if ref[s] == 0:
+                            cached.pop(s, None)
+                            acquired.append(s)
                     ref[s] += 1
                     ids[i] = s
                 active.append(_Active(r, ids))
                 parts_r.append(ids)  # prefill touches every prompt block once
                 parts_c.append(np.ones(ids.size))
                 parts_t.append(np.full(ids.size, r.t))
+                if timed:
+                    timed_parts.append((ids, r.t, 0.0, 1.0))
                 nxt = next(it, None)
 
             still: list[_Active] = []
@@ -287,6 +299,8 @@ class RequestTrace:
                     parts_r.append(a.prompt)
                     parts_c.append(np.full(a.prompt.size, float(steps)))
                     parts_t.append(np.full(a.prompt.size, last))
+                    if timed:
+                        timed_parts.append((a.prompt, a.t0 + (before + 1) / rate, 1.0 / rate, float(steps)))
                     if a.gen:
                         g = np.asarray(a.gen, dtype=np.int64)
                         born = np.asarray(a.gen_born)
@@ -316,9 +330,20 @@ class RequestTrace:
                 rows, counts, last_t = np.zeros(0, np.int64), np.zeros(0), np.zeros(0)
             # released slots and freed generated blocks become free for the next tick
             free_ids.extend(free)
-            yield Tick(
+            tick = Tick(
                 np.asarray(alloc, dtype=np.int64), rows, counts, last_t, np.asarray(free, dtype=np.int64),
                 np.asarray(evict, dtype=np.int64), np.asarray(acquired, dtype=np.int64),
                 np.asarray(released, dtype=np.int64),
             )
+            if timed:
+                tick.prefetch_rows = np.asarray(hits, dtype=np.int64)
+                tick.prefetch_t = np.asarray(hits_t, dtype=np.float64)
+                if timed_parts:
+                    sizes = [p[0].size for p in timed_parts]
+                    tick.reads = TimedReads(
+                        np.concatenate([p[0] for p in timed_parts]),
+                        np.repeat([p[1] for p in timed_parts], sizes),
+                        np.repeat([p[2] for p in timed_parts], sizes),
+                        np.repeat([p[3] for p in timed_parts], sizes))
+            yield tick
             k += 1

@@ -21,6 +21,19 @@ its moves serve the reads of the first tick that are mostly after the
 job's end, a tick after the end plans with them, and a tick while it runs
 plans nothing. A read of a swapped block
 faults it back only if the recording saw reads do so.
+
+A policy that prefetches (``prefetches``: kvtier's client ``prefetch`` at
+each request's arrival, request traces only) gets the same migrator inside
+the tick: after the plan of the tick before (which had first call on the
+migrator's ``tick_s``), each arrival's cached blocks are asked for at the
+arrival; when the migrator is free the policy says which of the asked moves
+its token buckets pay for (one job), and each block of the job reaches DRAM
+at its own time, one after the other at the migrator's rate. Reads of the
+block before that time are served from where it was, the rest from DRAM. A
+move to a full DRAM is refused (the kernel's ENOMEM). A job still running
+at the tick's end keeps the migrator: that tick plans nothing, and
+prefetches still waiting for the migrator or tokens go before the next
+plan, which waits a tick, as the daemon's tick does.
 """
 
 from __future__ import annotations
@@ -145,6 +158,15 @@ class Engine:
         ticks = self.source.ticks(self.tick_s, times) if len(times) else self.source.ticks(self.tick_s)
         self.job = None  # recorded machine: (end time, rows, dst) of the move job in flight
         self.jobs = self.busy_ticks = 0
+        # prefetches: the job in flight (rows, src, when each is done, made: DRAM had room; the job's end)
+        self.flight: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float] | None = None
+        self.mig_free = 0.0
+        self.prefetch_counts = np.zeros(3, dtype=np.int64)  # asked, moved, refused for want of DRAM
+        timed = bool(getattr(policy, "prefetches", False) and getattr(self.source, "has_arrivals", False)
+                     and mach is None)
+        if timed:
+            ticks = self.source.ticks(self.tick_s, timed=True)
+            self._pos = np.full(self.n, -1, dtype=np.int64)
         if policy.needs_future:
             self.future = list(ticks)
             ticks = iter(self.future)
@@ -176,6 +198,7 @@ class Engine:
                 self.tier[a] = dst
                 self.alive[a] = True
                 self.occ += np.bincount(dst, minlength=T)
+            flights = self._prefetch(policy, tk, now - self.tick_s, now, moved) if timed else []
             rows, cnt = tk.rows, tk.counts
             f0 = tot = 0.0
             if rows.size:
@@ -184,6 +207,8 @@ class Engine:
                     bad = int(rows[tt < 0][0])
                     raise InvalidArgument(f"trace: block {bad} accessed while not allocated near t={k * self.tick_s:.3f}s")
                 per = np.bincount(tt, weights=cnt, minlength=T)
+                if flights:
+                    per = self._before_moves(tk, flights, per)
                 served += per
                 f0, tot = float(per[0]), float(per.sum())
                 reads += rows.size
@@ -198,12 +223,15 @@ class Engine:
                 self._free(policy, tk.free, k)
             if self.job is not None and self.job[0] <= now:
                 self._land(policy, moved)  # done before this tick: the daemon plans with its results
-            if self.job is not None:
+            if self.job is not None or self.flight is not None:
                 self.busy_ticks += 1  # the mover still runs: no plan this tick, as in the daemon
                 continue
+            if timed and policy.has_scheduled() and self._start_prefetch(policy, now, moved, []):
+                continue  # scheduled moves first; the plan waits for the next tick
             rows, dst = policy.decide(now)
             if rows.size:
-                self._migrate(policy, np.asarray(rows, np.int64), np.asarray(dst, np.int8), moved, now)
+                used = self._migrate(policy, np.asarray(rows, np.int64), np.asarray(dst, np.int8), moved, now)
+                self.mig_free = now + used
         if self.job is not None:
             self._land(policy, moved)
         wall = time.perf_counter() - t0
@@ -213,12 +241,89 @@ class Engine:
         res.timeline = (np.asarray(fast_t), np.asarray(all_t))
         if mach is not None:
             res.extra.update(move_jobs=self.jobs, ticks_busy=self.busy_ticks)
+        if timed:
+            res.extra.update(prefetch_blocks_asked=int(self.prefetch_counts[0]),
+                             prefetch_blocks_moved=int(self.prefetch_counts[1]),
+                             prefetch_blocks_refused=int(self.prefetch_counts[2]), ticks_busy=self.busy_ticks)
         return res
+
+    # -- prefetches inside a tick ----------------------------------------------
+
+    def _prefetch(self, policy, tk: Tick, t0: float, t1: float, moved) -> list:
+        """The tick's arrivals ask for their cached blocks, in time order, and
+        the migrator runs the jobs the policy's tokens pay for while it is
+        free. Returns the jobs that ran during the tick (for the reads)."""
+        flights = [self.flight] if self.flight is not None else []
+        asked_t = tk.prefetch_t
+        cuts = np.flatnonzero(np.diff(asked_t)) + 1  # one prefetch message per arrival time
+        starts = np.concatenate([[0], cuts]).astype(np.int64) if asked_t.size else np.zeros(0, np.int64)
+        ends = np.append(starts[1:], asked_t.size).astype(np.int64)
+        i = 0
+        while True:
+            if self.flight is not None:
+                rows, src, done_at, made, end = self.flight
+                if end > t1:
+                    break  # still running at the tick's end
+                self.flight = None
+                self.mig_free = end
+                policy.scheduled_moved(rows, made, end)
+            free_at = max(self.mig_free, t0)
+            while i < starts.size and asked_t[starts[i]] <= free_at:
+                msg = tk.prefetch_rows[starts[i]:ends[i]]
+                self.prefetch_counts[0] += msg.size
+                policy.schedule(msg, float(asked_t[starts[i]]))
+                i += 1
+            if policy.has_scheduled() and self._start_prefetch(policy, free_at, moved, flights):
+                continue
+            if i == starts.size:
+                break
+            self.mig_free = float(asked_t[starts[i]])  # idle (or out of tokens) until the next arrival
+        return flights
+
+    def _start_prefetch(self, policy, at: float, moved, flights: list) -> bool:
+        """One job of the moves the policy's tokens pay for at ``at`` (to
+        DRAM, each as far as DRAM has room, one after the other at the
+        migrator's rate); False if they pay for none."""
+        rows = np.asarray(policy.scheduled_job(at), dtype=np.int64)
+        if rows.size == 0:
+            return False
+        src = self.tier[rows].astype(np.int64)
+        live = self.alive[rows] & (src > 0)  # the policy's table lags the engine by a tick's evictions
+        rows, src = rows[live], src[live]
+        room = max(0, int(self.cap_blocks[0] - self.occ[0]))
+        made = np.arange(rows.size) < room
+        self.prefetch_counts[1] += int(made.sum())
+        self.prefetch_counts[2] += int((~made).sum())
+        # the block is DRAM's from the job's start (its room taken), its reads from src until done_at
+        done_at = at + np.cumsum(np.where(made, self.mig_ns[src, 0], 0.0)) / 1e9
+        self._apply(rows[made], src[made], np.zeros(int(made.sum()), dtype=np.int64), moved)
+        self.flight = (rows, src, done_at, made, float(done_at[-1]) if rows.size else at)
+        self.mig_free = self.flight[4]
+        flights.append(self.flight)
+        return True
+
+    def _before_moves(self, tk: Tick, flights: list, per: np.ndarray) -> np.ndarray:
+        """``per`` (reads per tier, as placed at the tick's end) with the reads
+        of each prefetched block before its move ended served from its old tier."""
+        rows = np.concatenate([f[0][f[3]] for f in flights])
+        if rows.size == 0 or tk.reads is None:
+            return per
+        src = np.concatenate([f[1][f[3]] for f in flights])
+        done_at = np.concatenate([f[2][f[3]] for f in flights])
+        early = tk.reads.before(rows, done_at, self._pos)
+        per = per.copy()
+        per[0] -= early.sum()
+        np.add.at(per, src, early)
+        return per
 
     def _free(self, policy, f: np.ndarray, k: int) -> None:
         if not self.alive[f].all():
             bad = int(f[~self.alive[f]][0])
             raise InvalidArgument(f"trace: block {bad} freed while not allocated near t={k * self.tick_s:.3f}s")
+        if self.flight is not None:
+            # a slot evicted while its prefetch runs: the move is of contents now gone
+            keep = ~np.isin(self.flight[0], f)
+            self.flight = (*(a[keep] for a in self.flight[:4]), self.flight[4])
         policy.freed(f)
         self.occ -= np.bincount(self.tier[f], minlength=self.occ.size)
         self.tier[f] = -1
@@ -237,7 +342,8 @@ class Engine:
                 self.tier[take] = i
             rows = rows[take.size :]
 
-    def _migrate(self, policy, rows, dst, moved, now) -> None:
+    def _migrate(self, policy, rows, dst, moved, now) -> float:
+        """The plan's moves in order within the tick's migrator time; returns the seconds it used."""
         mig_ns = self.mig_ns
         T = len(self.cap_blocks)
         _, first = np.unique(rows, return_index=True)
@@ -255,7 +361,7 @@ class Engine:
             self.jobs += bool(n)
             if not n:
                 self._land(policy, moved)  # nothing to move: no job, the plan is answered now
-            return
+            return 0.0
         # one migrator with tick_s of time, moves executed in plan order
         ok = np.cumsum(mig_ns[s, d]) <= self.tick_s * 1e9
         # capacity along the sequence: the first move that overfills its
@@ -271,6 +377,7 @@ class Engine:
         full_ok = np.zeros(rows.size, bool)
         full_ok[np.flatnonzero(keep)[ok]] = True
         policy.moved(rows, dst, full_ok, now)
+        return float(mig_ns[s[ok], d[ok]].sum()) / 1e9
 
     def _apply(self, r, s, d, moved) -> None:
         if r.size:

@@ -57,6 +57,14 @@ class Tick:
     ``released`` are the lifecycle the serving engine knows and a kvtier client
     reports with ``phase`` (``active``: a request took a reference on a cached
     block; ``free``: no request references it any more). Flat traces have none.
+
+    Request traces asked for ``timed`` ticks (``RequestTrace.ticks``) also say
+    when things happen inside the tick, for a policy that prefetches:
+    ``prefetch_rows`` are the cached blocks each request arriving in the tick
+    finds (its prefix-cache hits, in its hash-id order), ``prefetch_t`` that
+    request's arrival time; ``reads`` are the tick's reads of prompt blocks
+    one request at a time (``TimedReads``), so the engine can tell which of
+    them came before a block's move ended.
     """
 
     alloc: np.ndarray
@@ -67,6 +75,33 @@ class Tick:
     evict: np.ndarray = field(default_factory=_none)
     acquired: np.ndarray = field(default_factory=_none)
     released: np.ndarray = field(default_factory=_none)
+    prefetch_rows: np.ndarray = field(default_factory=_none)
+    prefetch_t: np.ndarray = field(default_factory=_none)
+    reads: "TimedReads | None" = None
+
+
+@dataclass
+class TimedReads:
+    """Reads of blocks at known times: ``count[i]`` reads of ``rows[i]``, the
+    first at ``first[i]``, then one every ``every[i]`` seconds (0: all at
+    once). A row may appear several times (one entry per request reading it)."""
+
+    rows: np.ndarray
+    first: np.ndarray
+    every: np.ndarray
+    count: np.ndarray
+
+    def before(self, rows: np.ndarray, at: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """Reads of each of ``rows`` (unique) strictly before its time in ``at``;
+        ``pos`` is a scratch lookup of the id space, all -1, left so."""
+        pos[rows] = np.arange(rows.size)
+        p = pos[self.rows]
+        pos[rows] = -1
+        m = p >= 0
+        p, first, every, count = p[m], self.first[m], self.every[m], self.count[m]
+        gap = at[p] - first
+        n = np.where(every > 0, np.ceil(gap / np.where(every > 0, every, 1.0)), np.where(gap > 0, count, 0))
+        return np.bincount(p, weights=np.clip(n, 0, count), minlength=rows.size)
 
 
 @dataclass
