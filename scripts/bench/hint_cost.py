@@ -12,7 +12,10 @@ guest comparison's workload does after every pass over its hot set, and
 reports per call: mean wall time (everything included: the batch sends that
 some calls make), p50 / p99 / max, thread CPU time per call, and how the
 time splits between the calls that only queue and those that also send a
-frame. Two more runs pass an int64 array and a Python list instead. The mean is
+frame. Two more runs pass an int64 array and a Python list instead, and
+two call ``hs.touch()`` of a hint set of the same blocks
+(``region.hint_set(ids)``, declared once), through the ring and the socket.
+The mean is
 what the engine pays; the guest's TCG is roughly 50-100x slower per
 interpreted instruction than this host.
 
@@ -67,7 +70,17 @@ class Floor:
 
 
 def run(region, ids, calls: int, gap: float = 0.0) -> dict:
-    client = region.client
+    """``region.hint(ids)`` timed per call."""
+    return timed(region.hint, ids, calls, gap, region.client, len(ids))
+
+
+def run_set(hs, calls: int, gap: float = 0.0) -> dict:
+    """``hs.touch()`` timed the same way: the hint-set API, its blocks
+    declared once (Region.hint_set)."""
+    return timed(type(hs).touch, hs, calls, gap, hs.region.client, len(hs))
+
+
+def timed(call, arg, calls: int, gap: float, client, blocks: int) -> dict:
     frames0 = client._next_id
     wall = np.empty(calls)
     pc, tt = time.perf_counter, time.thread_time
@@ -75,18 +88,21 @@ def run(region, ids, calls: int, gap: float = 0.0) -> dict:
     t_all = pc()
     for i in range(calls):
         t0 = pc()
-        region.hint(ids)
+        call(arg)
         wall[i] = pc() - t0
         if gap:
             time.sleep(gap)
     t_all = pc() - t_all
-    cpu = tt() - c0
-    frames = client._next_id - frames0
+    return summary(wall, t_all, tt() - c0, client._next_id - frames0, blocks)
+
+
+def summary(wall: np.ndarray, t_all: float, cpu: float, frames: int, blocks: int) -> dict:
+    calls = wall.size
     # The calls that sent a frame are the slowest ones; there are `frames` of them.
     slow = np.sort(wall)[-frames:] if frames else np.empty(0)
     us = 1e6
     return {
-        "calls": calls, "blocks_per_call": int(len(ids)), "frames_sent": int(frames),
+        "calls": calls, "blocks_per_call": int(blocks), "frames_sent": int(frames),
         "mean_us": float(wall.mean() * us), "p50_us": float(np.percentile(wall, 50) * us),
         "p99_us": float(np.percentile(wall, 99) * us), "max_us": float(wall.max() * us),
         "thread_cpu_us_per_call": float(cpu / calls * us),
@@ -125,6 +141,9 @@ def main() -> int:
                 ids = np.arange(8, 8 + a.blocks, dtype=np.uint32)  # protocol.BLOCKS_DTYPE
                 run(region, ids, 2000)  # warm-up
                 run(by_socket, ids, 2000)
+                ring_set, socket_set = region.hint_set(ids), by_socket.hint_set(ids)
+                run_set(ring_set, 2000)
+                run_set(socket_set, 2000)
                 c.flush()
                 plain.flush()
                 out["ring"] = c.ring is not None
@@ -134,6 +153,9 @@ def main() -> int:
                 if c.ring is not None:
                     out["uint32 array, ring"] = run(region, ids, a.calls, gap)
                 out["uint32 array, socket"] = run(by_socket, ids, a.calls, gap)
+                if c.ring is not None:
+                    out["hint set touch(), ring"] = run_set(ring_set, a.calls, gap)
+                out["hint set touch(), socket"] = run_set(socket_set, a.calls, gap)
                 out["int64 array"] = run(region, ids.astype(np.int64), a.calls, gap)
                 out["list"] = run(region, ids.tolist(), a.calls, gap)
                 if a.floors:
@@ -161,7 +183,7 @@ def main() -> int:
     print("| ids passed as | calls | blocks/call | frames sent | mean us | p50 us | p99 us | max us "
           "| thread CPU us/call | share of time in sending calls |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for k in [k for k in out if k.startswith(("uint32 array", "int64 array", "list", "floor"))]:
+    for k in [k for k in out if k.startswith(("uint32 array", "hint set", "int64 array", "list", "floor"))]:
         r = out[k]
         print(f"| {k} | {r['calls']} | {r['blocks_per_call']} | {r['frames_sent']} | {r['mean_us']:.2f} "
               f"| {r['p50_us']:.2f} | {r['p99_us']:.2f} | {r['max_us']:.0f} | {r['thread_cpu_us_per_call']:.2f} "

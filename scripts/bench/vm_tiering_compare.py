@@ -21,8 +21,11 @@ Modes, each with a fresh workload process:
                 applied on 6.12). Quota 256 MiB/s per scheme.
   kvtier_hints  kvtierd (its default config, DRAM target 96 MiB, the slow
                 emulated CXL tier left out as in scripts/demo), the pool
-                registered by pid, and the reader sending a hint per block
-                read after each pass.
+                registered by pid, and the reader telling it of each block
+                read after each pass: by default with a hint set declared
+                per phase and one ``touch()`` per pass (``--hint-api set``),
+                with ``--hint-api call`` as before by ``region.hint(ids)``
+                per pass; ``--hint-api set call`` runs the mode once each.
   kvtier_damon  the same without hints: DAMON vaddr (and perf faults) only.
 
 Measured every --sample-s (0.25 s): the fraction of the current hot set's
@@ -257,11 +260,16 @@ def _noop(ids) -> None:
     """What hint() is compared with: a call that does nothing."""
 
 
-def run_mode(mode: str, seconds: float, log_level: str = "info", sample_s: float = 0.25) -> dict:
+HINT_APIS = ("set", "call")  # Region.hint_set + touch() per pass / Region.hint(ids) per pass
+
+
+def run_mode(mode: str, seconds: float, log_level: str = "info", sample_s: float = 0.25,
+             hint_api: str = "set") -> dict:
     from kvchild import KVChild
     from kvtier.kernel import native
 
     page = native.PAGE_SIZE
+    tag = mode + ("-call" if mode == "kvtier_hints" and hint_api == "call" else "")  # names its log files
     write(NUMA_BALANCING, 0)
     child = KVChild(POOL)
     damos = None
@@ -293,11 +301,14 @@ def run_mode(mode: str, seconds: float, log_level: str = "info", sample_s: float
             daemon = Kvtierd(log_level, daemon_set)
             registering = time.time()
             if py_spy and log_dir is not None:
-                daemon.spy(log_dir / f"kvtierd-{mode}.pyspy.txt")
+                daemon.spy(log_dir / f"kvtierd-{tag}.pyspy.txt")
             client = Client(str(daemon.sock), name="vm_tiering_compare", timeout=60 * speed.current())
             region = client.register(addr=child.addr, length=POOL, block_size=BLOCK, pid=child.pid,
                                      name="pool")
         hints = mode == "kvtier_hints"
+        hint_set = [None]  # (set API) the hot set's blocks, declared at the first pass, replaced per phase
+        set_first = [None]  # the phase's first hot block the set holds
+        per_call = hint_api == "call"
 
         def touch():
             t_start = time.perf_counter()
@@ -312,13 +323,28 @@ def run_mode(mode: str, seconds: float, log_level: str = "info", sample_s: float
                     if ids is None:
                         ids = hot_ids[first] = np.arange(first, first + HOT_BLOCKS, dtype=np.uint32)
                         first_hint.append(round(time.monotonic() - start, 3))  # once per phase
+                    if per_call:
+                        call, arg = region.hint, ids
+                    else:
+                        # The set API: the set changes once a phase (that
+                        # call timed with the touches: it is part of what
+                        # hinting costs), then one touch() per pass.
+                        if set_first[0] != first:
+                            h0 = time.perf_counter()
+                            if hint_set[0] is None:
+                                hint_set[0] = region.hint_set(ids)
+                            else:
+                                hint_set[0].replace(ids)
+                            hint_s[0] += time.perf_counter() - h0
+                            set_first[0] = first
+                        call, arg = type(hint_set[0]).touch, hint_set[0]  # call(arg) is hs.touch()
                     # The floor of this measurement: a call of a Python
                     # function that does nothing, timed the same way (a
                     # clock read is a system call in this guest), in
                     # alternating order so neither call gets the warmer caches.
                     if rounds[0] & 1:
                         h0 = time.perf_counter()
-                        region.hint(ids)
+                        call(arg)
                         h1 = time.perf_counter()
                         _noop(ids)
                         h2 = time.perf_counter()
@@ -328,7 +354,7 @@ def run_mode(mode: str, seconds: float, log_level: str = "info", sample_s: float
                         h0 = time.perf_counter()
                         _noop(ids)
                         h1 = time.perf_counter()
-                        region.hint(ids)
+                        call(arg)
                         h2 = time.perf_counter()
                         noop_s[0] += h1 - h0
                         hint_s[0] += h2 - h1
@@ -396,6 +422,7 @@ def run_mode(mode: str, seconds: float, log_level: str = "info", sample_s: float
         delta = {k: vm1.get(k, 0) - vm0.get(k, 0) for k in VMSTAT_KEYS}
         return {
             "mode": mode,
+            **({"hint_api": hint_api} if hints else {}),
             "wall_start": wall_start,
             "setup_move_s": round(setup_s, 2),
             "pool_on_far_at_start": round(on_far, 4),
@@ -427,7 +454,7 @@ def run_mode(mode: str, seconds: float, log_level: str = "info", sample_s: float
             text = daemon.stop()
             print(f"{mode}: kvtierd log tail:\n{text[-2000:]}", flush=True)
             if log_dir is not None:
-                (log_dir / f"kvtierd-{mode}.log").write_text(text)
+                (log_dir / f"kvtierd-{tag}.log").write_text(text)
         write(NUMA_BALANCING, 0)
         child.close()
 
@@ -440,8 +467,9 @@ def guest_main(args) -> None:
     py_spy = args.py_spy
     daemon_set = tuple(args.daemon_set)
     for mode in args.modes:
-        out["modes"].append(run_mode(mode, args.seconds, args.daemon_log_level, args.sample_s))
-        print(f"{mode}: done", flush=True)
+        for api in (args.hint_api if mode == "kvtier_hints" else ["set"]):
+            out["modes"].append(run_mode(mode, args.seconds, args.daemon_log_level, args.sample_s, api))
+            print(f"{mode}: done", flush=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
 
 
@@ -492,8 +520,9 @@ def table(res: dict) -> str:
         mig = f"{m['migrated_mib']}"
         if "migrate_hot_bytes" in m:
             mig += f" (hot {m['migrate_hot_bytes'] / MiB:.0f} up, cold {m['migrate_cold_bytes'] / MiB:.0f} down)"
+        label = m["mode"] + (" (hint per call)" if m.get("hint_api") == "call" else "")
         lines.append(
-            f"| {m['mode']} | {ends} | {tt} | {mig} | {v['pgpromote_success']} / {v['numa_hint_faults']} "
+            f"| {label} | {ends} | {tt} | {mig} | {v['pgpromote_success']} / {v['numa_hint_faults']} "
             f"| {m['workload_cpu_s']} | {m.get('kdamond_cpu_s', '-')} | {m.get('kvtierd_cpu_s', '-')} "
             f"| {ratio(m, damos)} | {hint_cost(m)} |"
         )
@@ -501,12 +530,14 @@ def table(res: dict) -> str:
 
 
 def host_main(args) -> None:
+    runs = len(args.modes) + (len(args.hint_api) - 1 if "kvtier_hints" in args.modes else 0)
     res = guestjob.run(Path(__file__).resolve(), ["--seconds", str(args.seconds), "--modes", *args.modes,
                                                   "--daemon-log-level", args.daemon_log_level,
                                                   "--sample-s", str(args.sample_s),
+                                                  "--hint-api", *args.hint_api,
                                                   *(["--py-spy"] if args.py_spy else []),
                                                   *(a for kv in args.daemon_set for a in ("--daemon-set", kv))],
-                       "tiering.json", timeout=120 + len(args.modes) * (args.seconds + 60), save=args.json)
+                       "tiering.json", timeout=120 + runs * (args.seconds + 60), save=args.json)
     print(f"kernel {res['kernel']}, pool {res['pool_mib']} MiB on node 1 at start, hot set {res['hot_mib']} MiB, "
           f"{res['seconds']} s per mode, hot set moves at half time")
     print(table(res))
@@ -518,6 +549,10 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=30.0, help="run length per mode")
     ap.add_argument("--modes", nargs="+",
                     default=["none", "numa_tiering", "damos_paddr", "kvtier_hints", "kvtier_damon"])
+    ap.add_argument("--hint-api", nargs="+", choices=HINT_APIS, default=["set"],
+                    help="how kvtier_hints tells kvtierd of each pass: set = Region.hint_set, one touch() "
+                         "per pass; call = region.hint(ids) per pass (before hint sets); both: the mode runs "
+                         "once each")
     ap.add_argument("--sample-s", type=float, default=0.25,
                     help="seconds between samples of the hot set's placement (the pool's: about every second)")
     ap.add_argument("--daemon-log-level", default="info", choices=("debug", "info", "warning"),
