@@ -498,8 +498,11 @@ class Region:
 
     def hint_set(self, blocks: Iterable[int] | np.ndarray = ()) -> "HintSet":
         """The blocks one step of the engine reads, declared once: then
-        ``touch()`` per step instead of ``hint(blocks)`` (see HintSet)."""
+        ``touch()`` per step instead of ``hint(blocks)`` (see HintSet).
+        Asks for the connection's hint ring now if it is still to be asked
+        for (one round trip), so no touch waits for it."""
         hs = HintSet(self, blocks)
+        self.client._ready_ring()
         self._hint_sets.add(hs)
         return hs
 
@@ -656,17 +659,18 @@ class HintSet:
 
     def _take(self) -> list[tuple[np.ndarray, np.ndarray | int]]:
         """What is counted and not sent: (blocks, counts per block, or one
-        count for all), and counting starts again from zero."""
+        count for all), and counting starts again from zero. (The blocks
+        may be a view of the set: to be packed before the set changes.)"""
         n = self.touches - self._since
         out: list[tuple[np.ndarray, np.ndarray | int]] = list(self._retired)
         self._retired = []
         ids = self._ids[: self._len]
         if self._folded:
-            out.append((ids.copy(), self._acc[: self._len] + np.uint32(n)))
+            out.append((ids, self._acc[: self._len] + np.uint32(n)))
             self._acc[: self._len] = 0
             self._folded = False
         elif n and self._len:
-            out.append((ids.copy(), n))
+            out.append((ids, n))
         self._since = self.touches
         return out
 
@@ -686,9 +690,10 @@ class HintSet:
         total = sum(int(b.size) * c if isinstance(c, int) else int(c.sum()) for b, c in parts)
         if total <= region.client.hint_batch:
             # Each block as often as it was read: the entries a hint per
-            # step would have made (np.tile keeps their order, too).
-            b = np.concatenate([np.tile(b, c) if isinstance(c, int) else np.repeat(b, c) for b, c in parts])
-            region._send(b.tobytes(), None)
+            # step would have made, in their order where the set did not
+            # change (the packed set repeated: one copy, no numpy call).
+            region._send(b"".join(b.tobytes() * c if isinstance(c, int) else np.repeat(b, c).tobytes()
+                                  for b, c in parts), None)
             return
         blocks = np.concatenate([b for b, _ in parts])
         counts = np.concatenate([np.full(b.size, c, dtype=protocol.COUNTS_DTYPE) if isinstance(c, int)
@@ -959,6 +964,11 @@ class Client:
             if rid:  # 0: before any region word (a ring written by hand)
                 b = blocks[regions == rid]
                 self._queue_hint(protocol.Hint(region=rid, blocks=b.tobytes()), int(b.size))
+
+    def _ready_ring(self) -> None:
+        """Ask for this connection's ring now if it is wanted and not asked yet."""
+        if self.ring is None and self._ring_wanted:
+            self._open_ring()
 
     def _ring_put(self, word: int, packed: bytes) -> bool:
         """A region's batch of packed block indices into the ring (asked

@@ -290,6 +290,8 @@ def run_mode(mode: str, seconds: float, log_level: str = "info", sample_s: float
         rounds = [0]
         hint_s = [0.0]  # the workload's time inside region.hint(): what hinting costs the engine
         noop_s = [0.0]  # ... and inside an empty function call timed the same way
+        calls_s: list[float] = []  # each pass's hint call (hint() or touch()), to see where hint_s went
+        setup_s: list[float] = []  # (set API) hint_set() and replace(), once a phase (in hint_s too)
         hot_ids: dict[int, np.ndarray] = {}
         first_hint: list[float] = []  # when the workload first hinted each phase's hot set (s from start)
         loop_s = [0.0]
@@ -335,7 +337,8 @@ def run_mode(mode: str, seconds: float, log_level: str = "info", sample_s: float
                                 hint_set[0] = region.hint_set(ids)
                             else:
                                 hint_set[0].replace(ids)
-                            hint_s[0] += time.perf_counter() - h0
+                            setup_s.append(time.perf_counter() - h0)
+                            hint_s[0] += setup_s[-1]
                             set_first[0] = first
                         call, arg = type(hint_set[0]).touch, hint_set[0]  # call(arg) is hs.touch()
                     # The floor of this measurement: a call of a Python
@@ -350,6 +353,7 @@ def run_mode(mode: str, seconds: float, log_level: str = "info", sample_s: float
                         h2 = time.perf_counter()
                         hint_s[0] += h1 - h0
                         noop_s[0] += h2 - h1
+                        calls_s.append(h1 - h0)
                     else:
                         h0 = time.perf_counter()
                         _noop(ids)
@@ -358,6 +362,7 @@ def run_mode(mode: str, seconds: float, log_level: str = "info", sample_s: float
                         h2 = time.perf_counter()
                         noop_s[0] += h1 - h0
                         hint_s[0] += h2 - h1
+                        calls_s.append(h2 - h1)
                 rounds[0] += 1
             loop_s[0] = time.perf_counter() - t_start
 
@@ -432,6 +437,7 @@ def run_mode(mode: str, seconds: float, log_level: str = "info", sample_s: float
             "hint_share": round(hint_s[0] / loop_s[0], 5) if loop_s[0] > 0 else None,
             "noop_call_s": round(noop_s[0], 3),
             "noop_share": round(noop_s[0] / loop_s[0], 5) if loop_s[0] > 0 else None,
+            **(call_spread(calls_s, setup_s) if calls_s else {}),
             "series": series,
             "vmstat": delta,
             "migrated_mib": round(delta["pgmigrate_success"] * page / MiB, 1),
@@ -457,6 +463,19 @@ def run_mode(mode: str, seconds: float, log_level: str = "info", sample_s: float
                 (log_dir / f"kvtierd-{tag}.log").write_text(text)
         write(NUMA_BALANCING, 0)
         child.close()
+
+
+def call_spread(calls_s: list[float], setup_s: list[float]) -> dict:
+    """Where the workload's time in hint calls went: the first call (it
+    opens the connection's hint ring: a round trip to kvtierd), the set's
+    declarations, the slowest 1 % of the rest, and the rest's median."""
+    c = np.asarray(calls_s)
+    rest = np.sort(c[1:])
+    top = rest[-max(1, rest.size // 100):] if rest.size else rest
+    return {"first_call_s": round(float(c[0]), 4), "setup_s": round(float(sum(setup_s)), 4),
+            "slowest_1pct_s": round(float(top.sum()), 4), "others_s": round(float(rest.sum() - top.sum()), 4),
+            "p50_us": round(float(np.median(c)) * 1e6, 1), "p99_us": round(float(np.percentile(c, 99)) * 1e6, 1),
+            "max_us": round(float(c.max()) * 1e6)}
 
 
 def guest_main(args) -> None:
@@ -500,7 +519,12 @@ def hint_cost(m: dict) -> str:
     if not m.get("hint_call_s") or m.get("hint_share") is None:
         return "-"
     floor = f" (empty call: {m['noop_share']:.2%})" if m.get("noop_share") is not None else ""
-    return f"{m['hint_call_s']:.2f} s = {m['hint_share']:.2%}{floor}"
+    spread = ""
+    if "first_call_s" in m:
+        spread = (f"; first call {m['first_call_s']:.3f} s, declaring the set {m['setup_s']:.3f} s, "
+                  f"slowest 1 % {m['slowest_1pct_s']:.3f} s, the other calls {m['others_s']:.3f} s "
+                  f"(p50 {m['p50_us']:.0f} us)")
+    return f"{m['hint_call_s']:.2f} s = {m['hint_share']:.2%}{floor}{spread}"
 
 
 def table(res: dict) -> str:

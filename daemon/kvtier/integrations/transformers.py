@@ -22,10 +22,13 @@ What it does, and why each part matters to the daemon:
   when the first forward step shows the batch size, head count and dtype.
 * **Hints are exactly what attention reads**: every layer's update returns
   the keys and values of positions ``0 .. length`` (not the whole
-  preallocated length, as StaticCache does) and hints those blocks, one
-  count each. Hints naming fewer blocks than are read make the daemon
-  demote blocks that are read every step; naming more keeps cold ones in
-  DRAM.
+  preallocated length, as StaticCache does) and counts one read of each of
+  those blocks: each layer keeps a hint set (``Region.hint_set``) of its
+  blocks holding tokens, grown by a block when the sequence crosses into
+  one, and touches it once per step (an increment; the counts go to the
+  daemon every ``hint_interval``, as a hint of those blocks per step would
+  have). Hints naming fewer blocks than are read make the daemon demote
+  blocks that are read every step; naming more keeps cold ones in DRAM.
 * ``release()`` / ``prefetch()``: a paused session's blocks may go down now;
   a returning session's come back to DRAM before its next step.
 
@@ -43,7 +46,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
-from kvtier.client import Client, Region
+from kvtier.client import Client, HintSet, Region
 
 PAGE = 4096
 DEFAULT_TOKENS_PER_BLOCK = 16
@@ -68,6 +71,8 @@ class KvtierLayer(CacheLayerMixin):
         self.cache = cache
         self.layer_idx = layer_idx
         self.length = 0
+        self.reads: HintSet | None = None  # the blocks attention reads each step (made with the pool)
+        self.read_blocks = 0  # how many: ceil(length / tokens_per_block) at the last step
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.keys, self.values = self.cache._layer_views(self.layer_idx, key_states, value_states)
@@ -86,7 +91,7 @@ class KvtierLayer(CacheLayerMixin):
         self.keys[:, :, start:end].copy_(key_states)
         self.values[:, :, start:end].copy_(value_states)
         self.length = end
-        self.cache._read(self.layer_idx, end)
+        self.cache._read(self, end)
         return self.keys[:, :, :end], self.values[:, :, :end]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -188,9 +193,22 @@ class KvtierCache(Cache):
         s = self._storage[layer]  # [position, batch, head, k_dim + v_dim]
         return s[..., :k_dim].permute(1, 2, 0, 3), s[..., k_dim:].permute(1, 2, 0, 3)
 
-    def _read(self, layer: int, length: int) -> None:
-        """Attention in ``layer`` reads positions 0..length: hint those blocks."""
-        self.region.hint(self._blocks[layer, : -(-length // self.tokens_per_block)])
+    def _read(self, layer: KvtierLayer, length: int) -> None:
+        """Attention in ``layer`` reads positions 0..length: one read of each
+        of those blocks (the layer's hint set changes only when the count of
+        blocks does: a new block every tokens_per_block tokens, or a reset)."""
+        n = -(-length // self.tokens_per_block)
+        have = layer.read_blocks
+        if n != have:
+            if layer.reads is None:
+                layer.reads = self.region.hint_set()
+            blocks = self._blocks[layer.layer_idx]
+            if n > have:
+                layer.reads.extend(blocks[have:n])
+            else:
+                layer.reads.replace(blocks[:n])
+            layer.read_blocks = n
+        layer.reads.touch()
 
     def live_blocks(self) -> np.ndarray:
         """Region block indices that hold tokens now (every layer)."""
