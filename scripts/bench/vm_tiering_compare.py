@@ -291,7 +291,7 @@ def run_mode(mode: str, seconds: float, log_level: str = "info", sample_s: float
         hint_s = [0.0]  # the workload's time inside region.hint(): what hinting costs the engine
         noop_s = [0.0]  # ... and inside an empty function call timed the same way
         calls_s: list[float] = []  # each pass's hint call (hint() or touch()), to see where hint_s went
-        setup_s: list[float] = []  # (set API) hint_set() and replace(), once a phase (in hint_s too)
+        declare_s: list[float] = []  # (set API) hint_set() and replace(), once a phase (in hint_s too)
         hot_ids: dict[int, np.ndarray] = {}
         first_hint: list[float] = []  # when the workload first hinted each phase's hot set (s from start)
         loop_s = [0.0]
@@ -337,8 +337,8 @@ def run_mode(mode: str, seconds: float, log_level: str = "info", sample_s: float
                                 hint_set[0] = region.hint_set(ids)
                             else:
                                 hint_set[0].replace(ids)
-                            setup_s.append(time.perf_counter() - h0)
-                            hint_s[0] += setup_s[-1]
+                            declare_s.append(time.perf_counter() - h0)
+                            hint_s[0] += declare_s[-1]
                             set_first[0] = first
                         call, arg = type(hint_set[0]).touch, hint_set[0]  # call(arg) is hs.touch()
                     # The floor of this measurement: a call of a Python
@@ -437,7 +437,7 @@ def run_mode(mode: str, seconds: float, log_level: str = "info", sample_s: float
             "hint_share": round(hint_s[0] / loop_s[0], 5) if loop_s[0] > 0 else None,
             "noop_call_s": round(noop_s[0], 3),
             "noop_share": round(noop_s[0] / loop_s[0], 5) if loop_s[0] > 0 else None,
-            **(call_spread(calls_s, setup_s) if calls_s else {}),
+            **(call_spread(calls_s, declare_s) if calls_s else {}),
             "series": series,
             "vmstat": delta,
             "migrated_mib": round(delta["pgmigrate_success"] * page / MiB, 1),
@@ -465,14 +465,14 @@ def run_mode(mode: str, seconds: float, log_level: str = "info", sample_s: float
         child.close()
 
 
-def call_spread(calls_s: list[float], setup_s: list[float]) -> dict:
+def call_spread(calls_s: list[float], declare_s: list[float]) -> dict:
     """Where the workload's time in hint calls went: the first call (it
     opens the connection's hint ring: a round trip to kvtierd), the set's
     declarations, the slowest 1 % of the rest, and the rest's median."""
     c = np.asarray(calls_s)
     rest = np.sort(c[1:])
     top = rest[-max(1, rest.size // 100):] if rest.size else rest
-    return {"first_call_s": round(float(c[0]), 4), "setup_s": round(float(sum(setup_s)), 4),
+    return {"first_call_s": round(float(c[0]), 4), "declare_s": round(float(sum(declare_s)), 4),
             "slowest_1pct_s": round(float(top.sum()), 4), "others_s": round(float(rest.sum() - top.sum()), 4),
             "p50_us": round(float(np.median(c)) * 1e6, 1), "p99_us": round(float(np.percentile(c, 99)) * 1e6, 1),
             "max_us": round(float(c.max()) * 1e6)}
@@ -521,9 +521,9 @@ def hint_cost(m: dict) -> str:
     floor = f" (empty call: {m['noop_share']:.2%})" if m.get("noop_share") is not None else ""
     spread = ""
     if "first_call_s" in m:
-        spread = (f"; first call {m['first_call_s']:.3f} s, declaring the set {m['setup_s']:.3f} s, "
-                  f"slowest 1 % {m['slowest_1pct_s']:.3f} s, the other calls {m['others_s']:.3f} s "
-                  f"(p50 {m['p50_us']:.0f} us)")
+        declared = f", declaring the set {m['declare_s']:.3f} s" if m.get("hint_api") == "set" else ""
+        spread = (f"; first call {m['first_call_s']:.3f} s{declared}, slowest 1 % of the others "
+                  f"{m['slowest_1pct_s']:.3f} s, the rest {m['others_s']:.3f} s (p50 {m['p50_us']:.0f} us)")
     return f"{m['hint_call_s']:.2f} s = {m['hint_share']:.2%}{floor}{spread}"
 
 
