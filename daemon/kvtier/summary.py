@@ -62,37 +62,73 @@ class _TooManyTiers(Exception):
 
 
 def _fold(table: BlockTable, lo: int, hi: int, now: float, lay: _Layout) -> np.ndarray:
-    """The sums of rows [lo, hi): a few bincounts and comparisons, no
-    per-block loop (about 40 ns per row; searchsorted instead cost 120)."""
+    """The sums of rows [lo, hi)."""
+    return _fold_many(table, np.array([lo]), np.array([hi]), now, lay)[0]
+
+
+def _fold_many(table: BlockTable, lo: np.ndarray, hi: np.ndarray, now: float, lay: _Layout) -> np.ndarray:
+    """The sums of each row range [lo[i], hi[i]), one vector per range: a
+    few bincounts over all of the ranges' rows at once (the range's number
+    times each key's width added to the key), no per-block loop and no
+    per-range one (about 40 ns per row; a call per region cost 130 us each
+    at 1,000 regions)."""
     s = lay.slots
-    slot = table.tier[lo:hi].astype(np.intp)
+    lo = np.asarray(lo, dtype=np.int64)
+    lens = np.asarray(hi, dtype=np.int64) - lo
+    nseg = lens.size
+    total = int(lens.sum())
+    rows: slice | np.ndarray
+    if nseg == 1 or (lo[1:] == lo[:-1] + lens[:-1]).all():
+        rows = slice(int(lo[0]), int(lo[0]) + total)  # one run of rows (regions visited in table order)
+    else:
+        rows = np.arange(total, dtype=np.int64) + np.repeat(lo - (np.cumsum(lens) - lens), lens)
+    seg = np.repeat(np.arange(nseg, dtype=np.intp), lens) if nseg > 1 else None
+
+    def keyed(k: np.ndarray, width: int) -> np.ndarray:
+        """``k`` made distinct per range: the range's number times ``width`` added."""
+        if seg is not None:
+            k += seg * width
+        return k
+    slot = table.tier[rows].astype(np.intp)
     slot -= TIER_MIXED
     if slot.size and int(slot.max()) >= s:
         raise _TooManyTiers
-    nbytes = table.nbytes[lo:hi].astype(np.float64)
-    temp = table.temp[lo:hi]
+    nbytes = table.nbytes[rows].astype(np.float64)
+    temp = table.temp[rows]
     # Age bucket = how many edges the age reaches (age >= edge: the older
     # bucket, as ages.age_bytes), as last_access <= now - edge.
-    last = table.last_access[lo:hi]
+    last = table.last_access[rows]
     key = slot * NAGES
     for edge in ages.AGE_EDGES:
         key += last <= now - edge
-    v = np.empty(lay.size)
-    age = np.bincount(key, weights=nbytes, minlength=s * NAGES)
-    v[lay.age] = age
-    v[lay.bytes] = age.reshape(s, NAGES).sum(axis=1)
-    v[lay.blocks] = np.bincount(slot, minlength=s)
-    v[lay.temp] = np.bincount(slot, weights=temp, minlength=s)
+    v = np.empty((nseg, lay.size))
+    per = s * NAGES
+    age = np.bincount(keyed(key, per), weights=nbytes, minlength=nseg * per).reshape(nseg, per)
+    v[:, lay.age] = age
+    v[:, lay.bytes] = age.reshape(nseg, s, NAGES).sum(axis=2)
+    tk = keyed(slot, s)
+    v[:, lay.blocks] = np.bincount(tk, minlength=nseg * s).reshape(nseg, s)
+    v[:, lay.temp] = np.bincount(tk, weights=temp, minlength=nseg * s).reshape(nseg, s)
     # Temperature bucket = how many edges lie below it (Prometheus' le).
-    tb = np.zeros(slot.size, dtype=np.intp)
+    tb = np.zeros(total, dtype=np.intp)
     for edge in TEMP_BUCKETS:
         tb += temp > edge
-    v[lay.hist] = np.bincount(tb, minlength=NTEMPS)
-    flags = table.flags[lo:hi]
+    v[:, lay.hist] = np.bincount(keyed(tb, NTEMPS), minlength=nseg * NTEMPS).reshape(nseg, NTEMPS)
+    flags = table.flags[rows]
     unmovable = (flags & F_UNMOVABLE) != 0
-    v[lay.unmovable] = np.count_nonzero(unmovable)
-    v[lay.pinned] = np.count_nonzero(flags & F_MANUAL_PIN)
-    v[lay.stuck] = np.bincount(table.stuck[lo:hi][unmovable], minlength=len(STUCK_NAMES))[: len(STUCK_NAMES)]
+    pinned = (flags & F_MANUAL_PIN) != 0
+    nst = len(STUCK_NAMES)
+    stuck = table.stuck[rows][unmovable].astype(np.intp)
+    known = stuck < nst
+    if seg is None:
+        v[0, lay.unmovable] = np.count_nonzero(unmovable)
+        v[0, lay.pinned] = np.count_nonzero(pinned)
+        v[0, lay.stuck] = np.bincount(stuck[known], minlength=nst)
+    else:
+        v[:, lay.unmovable] = np.bincount(seg, weights=unmovable, minlength=nseg)
+        v[:, lay.pinned] = np.bincount(seg, weights=pinned, minlength=nseg)
+        v[:, lay.stuck] = np.bincount(seg[unmovable][known] * nst + stuck[known],
+                                      minlength=nseg * nst).reshape(nseg, nst)
     return v
 
 
@@ -199,6 +235,13 @@ class BlockSummarizer:
     def _reset(self, slots: int) -> None:
         self.lay = _Layout(slots)
         self._done: dict[int, tuple[int, np.ndarray]] = {}  # region -> (tenant, sums)
+        # Their sums, total and per tenant (with the tenant's region count),
+        # kept as regions are replaced or leave: a publish costs what
+        # changed, not a sum over every region (1,000 regions: 0.7 ms a
+        # tick). Recomputed from _done at the end of each pass, so float
+        # rounding in the temperature sums does not accumulate.
+        self._total = np.zeros(self.lay.size)
+        self._tenant_sum: dict[int, list] = {}  # tenant -> [sums, regions]
         self._queue: collections.deque[int] = collections.deque()
         self._cur: int | None = None  # region being visited
         self._off = 0  # its rows visited so far
@@ -226,8 +269,12 @@ class BlockSummarizer:
         slices = table.slices
         changed = False
         for rid in [r for r in self._done if r not in slices]:  # unregistered: its blocks are gone
-            del self._done[rid]
+            self._set_done(rid, None)
             changed = True
+        # The row ranges to fold this call, in visiting order: (region,
+        # first row, end row, whether that ends the region's visit).
+        segs: list[tuple[int, int, int, bool]] = []
+        carried = self._cur is not None  # the first range goes on with self._acc
         rows = 0
         started_pass = False
         while rows < budget:
@@ -240,6 +287,7 @@ class BlockSummarizer:
                         t = self.clock()
                         self.pass_seconds = t - self._pass_start
                         self._pass_start = t
+                        self._resum()
                     self._queue.extend(sorted(slices))
                     started_pass = True
                     if not self._queue:
@@ -248,35 +296,71 @@ class BlockSummarizer:
                 if rid not in slices:
                     continue
                 self._cur, self._off = rid, 0
-                self._acc = np.zeros(self.lay.size)
             s = slices.get(self._cur)
             if s is None:  # unregistered while under way
                 self._cur = None
+                carried = False if not segs else carried
                 continue
             take = min(s.count - self._off, budget - rows)
             lo = s.start + self._off
-            if take:
-                self._acc += _fold(table, lo, lo + take, now, self.lay)
             self._off += take
             rows += take
-            if self._off >= s.count:
-                tenant = int(table.tenant[s.start]) if s.count else 0
-                self._done[self._cur] = (tenant, self._acc)
+            ends = self._off >= s.count
+            segs.append((self._cur, lo, lo + take, ends))
+            if ends:
                 self._cur = None
-                changed = True
+        if segs:
+            sums = _fold_many(table, np.array([g[1] for g in segs]), np.array([g[2] for g in segs]), now, self.lay)
+            for i, (rid, lo, _, ends) in enumerate(segs):
+                acc = self._acc + sums[i] if i == 0 and carried else sums[i]
+                if ends:
+                    s = slices[rid]
+                    self._set_done(rid, (int(table.tenant[s.start]) if s.count else 0, acc))
+                    changed = True
+                else:
+                    self._acc = acc
         self.rows_visited_total += rows
         if changed:
             self._publish(now)
         return rows
 
-    def _publish(self, now: float) -> None:
-        total = np.zeros(self.lay.size)
-        tenants: dict[int, np.ndarray] = {}
-        for tenant, v in self._done.values():
-            total += v
-            if tenant in tenants:
-                tenants[tenant] = tenants[tenant] + v
+    def _set_done(self, rid: int, entry: tuple[int, np.ndarray] | None) -> None:
+        """Replace (or with None drop) a region's finished sums, and the
+        totals with them."""
+        old = self._done.pop(rid, None)
+        if old is not None:
+            self._total -= old[1]
+            ts = self._tenant_sum[old[0]]
+            ts[0] = ts[0] - old[1]
+            ts[1] -= 1
+            if not ts[1]:
+                del self._tenant_sum[old[0]]
+        if entry is not None:
+            self._done[rid] = entry
+            self._total += entry[1]
+            ts = self._tenant_sum.get(entry[0])
+            if ts is None:
+                self._tenant_sum[entry[0]] = [entry[1].copy(), 1]
             else:
-                tenants[tenant] = v.copy()
-        self.current = Summary(self.lay.slots, total, tenants, {r: v for r, (_, v) in self._done.items()}, now,
+                ts[0] = ts[0] + entry[1]
+                ts[1] += 1
+
+    def _resum(self) -> None:
+        """The totals summed again from every region's sums."""
+        self._total = np.zeros(self.lay.size)
+        self._tenant_sum = {}
+        for tenant, v in self._done.values():
+            self._total += v
+            ts = self._tenant_sum.get(tenant)
+            if ts is None:
+                self._tenant_sum[tenant] = [v.copy(), 1]
+            else:
+                ts[0] += v
+                ts[1] += 1
+
+    def _publish(self, now: float) -> None:
+        # Copies: readers on other threads keep this Summary while the
+        # totals change under the next visits.
+        self.current = Summary(self.lay.slots, self._total.copy(), {t: v[0].copy() for t, v in self._tenant_sum.items()},
+                               {r: v for r, (_, v) in self._done.items()}, now,
                                {r: t for r, (t, _) in self._done.items()})
