@@ -211,3 +211,22 @@ def test_a_message_of_many_hints_of_few_blocks_counts_as_its_listings(rig, with_
         np.testing.assert_array_equal(whole[0][c], parts[0][c], err_msg=c)
     assert whole[1:] == parts[1:]
     assert whole[3] == 3000
+
+
+def test_a_small_table_is_sampled_once_per_residency_interval(rig):
+    # 128 blocks (the guest comparison's pool), all touched: once the first
+    # look and the whole-block measurements are done, the rotating sample
+    # visits each block once per residency_interval (10 s) in whole-table
+    # jobs, not every tick (a job's fixed cost, paid every tick, was most
+    # of what measuring cost in the guest).
+    engine, registry, table, region, ticks = rig
+    region(128 * BLOCK, touch=list(range(128)))
+    out = ticks(50)
+    assert out[0][0] == 128  # the first look
+    settled = max(i for i, (_, whole, _) in enumerate(out) if whole)
+    assert settled < 30
+    rest = out[30:50]
+    jobs = [i for i, (blocks, _, _) in enumerate(rest) if blocks]
+    assert len(jobs) == 2 and jobs[1] - jobs[0] == 10
+    assert all(rest[i] == (128, 0, 128 * SAMPLE) for i in jobs)
+    assert (table.tier == 0).all()
