@@ -311,15 +311,20 @@ class Temperature:
         counts: np.ndarray | float,
         now: float,
         weight: float = 1.0,
+        checked: bool = False,
     ) -> None:
-        """Add ``weight * counts`` to the given rows; duplicate rows add up."""
+        """Add ``weight * counts`` to the given rows; duplicate rows add up.
+        ``checked``: the caller has checked the rows are in the table."""
         rows = np.asarray(rows, dtype=np.int64)
         if rows.size == 0:
             return
         n = len(table)
-        if rows.min() < 0 or rows.max() >= n:
+        if not checked and (rows.min() < 0 or rows.max() >= n):
             raise InvalidArgument(f"hotness: row out of range 0..{n - 1}")
-        c = np.broadcast_to(np.asarray(counts, dtype=np.float32), rows.shape)
+        # a scalar count stays a scalar: np.add.at takes it as it is
+        c = np.asarray(counts, dtype=np.float32)
+        if c.ndim and c.shape != rows.shape:
+            c = np.broadcast_to(c, rows.shape)
         la = table.last_access
         # A read that starts a run (the block's first, or the first after its
         # run ended): the run is one interval old (the reads of a tick stand

@@ -547,31 +547,39 @@ class Registry:
         # message, a measuring job each (64 GiB, 1000 regions, 1 M hinted
         # blocks/s: 20 % of a core).
         t = self.table
+        tier = t.tier[rows]  # where the hinted blocks were when read
         flags = t.flags[rows]
-        unsure = ((flags & np.uint8(F_NOT_PRESENT)) != 0) | (t.tier[rows] < 0)
+        unsure = ((flags & np.uint8(F_NOT_PRESENT)) != 0) | (tier < 0)
         unsure &= (flags & np.uint8(F_STALE)) == 0
         since = self.temperature.last_decay
         if since is not None:
             unsure &= t.last_access[rows] < since
         unsure = rows[unsure]
-        t.flags[unsure] |= np.uint8(F_STALE)
+        if unsure.size:
+            t.flags[unsure] |= np.uint8(F_STALE)
         self.temperature.add(self.table, rows, 1.0 if weights is None else weights, self.clock(),
-                             SOURCE_WEIGHTS["hint"])
+                             SOURCE_WEIGHTS["hint"], checked=True)
         n = int(blocks.size)
         if self.recorder is not None:
             self.recorder.hint(region_id, blocks, counts)
         self.regions[region_id].block_hints += n
         self.stats.block_hints_total += n
-        # Where the hinted blocks were when read: one bincount per message.
-        tier = self.table.tier[rows]
-        if listed is None:
-            self.hints_off_top += int(rows.size - np.count_nonzero(tier == 0))
+        # Where the hinted blocks were when read. A message's blocks mostly
+        # sit in one tier: without counts each listing counts one, so that
+        # is n there, no bincount.
+        if counts is None and tier.size and int(tier.min()) == int(tier.max()):
+            self.stats.hint_tier_blocks[int(tier[0])] += n
+            if tier[0] != 0:
+                self.hints_off_top += n
         else:
-            self.hints_off_top += int(listed[tier != 0].sum())
-        hits = np.bincount(tier.astype(np.int64) + 2,
-                           weights=None if weights is None else weights.astype(np.float64))
-        for i in np.flatnonzero(hits):
-            self.stats.hint_tier_blocks[int(i) - 2] += int(hits[i])
+            if listed is None:
+                self.hints_off_top += int(rows.size - np.count_nonzero(tier == 0))
+            else:
+                self.hints_off_top += int(listed[tier != 0].sum())
+            hits = np.bincount(tier.astype(np.int64) + 2,
+                               weights=None if weights is None else weights.astype(np.float64))
+            for i in np.flatnonzero(hits):
+                self.stats.hint_tier_blocks[int(i) - 2] += int(hits[i])
         self.on_hinted(rows, unsure)
         return n
 

@@ -230,3 +230,29 @@ def test_a_small_table_is_sampled_once_per_residency_interval(rig):
     assert len(jobs) == 2 and jobs[1] - jobs[0] == 10
     assert all(rest[i] == (128, 0, 128 * SAMPLE) for i in jobs)
     assert (table.tier == 0).all()
+
+
+@pytest.mark.parametrize("chunk", [16, 96, 3000])
+def test_hints_count_where_their_blocks_were(rig, chunk):
+    """hint_tier_blocks and hints_off_top count every listing by the tier
+    its block was in, whether a message's blocks sit in one tier (counted
+    without a bincount), several, or none known; short messages and those
+    summed per block first alike."""
+    engine, registry, table, region, ticks = rig
+    rid = region(64 << 20)  # 32 blocks: 0-9 in DRAM, 10-19 in tier 1, the rest unknown
+    s = table.slices[rid]
+    table.tier[s.start : s.start + 10] = 0
+    table.tier[s.start + 10 : s.start + 20] = 1
+    table.tier[s.start + 20 : s.stop] = -1
+    tier_of = table.tier[s.start : s.stop].copy()
+    rng = np.random.default_rng(5)
+    stats = registry.stats
+    for lo, hi in ((0, 10), (10, 20), (20, 32), (0, 32), (5, 15)):
+        blocks = rng.integers(lo, hi, 3000).astype(np.uint32)
+        hits0, off0 = dict(stats.hint_tier_blocks), registry.hints_off_top
+        for k in range(0, blocks.size, chunk):
+            registry.hint(rid, blocks[k : k + chunk], None)
+        want = {int(t): int((tier_of[blocks] == t).sum()) for t in np.unique(tier_of[blocks])}
+        hits = {k: v - hits0.get(k, 0) for k, v in stats.hint_tier_blocks.items() if v != hits0.get(k, 0)}
+        assert hits == want, (lo, hi)
+        assert registry.hints_off_top - off0 == int((tier_of[blocks] != 0).sum()), (lo, hi)
