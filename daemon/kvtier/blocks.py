@@ -159,6 +159,11 @@ class BlockTable:
         # arrays replaced: a Staged region written before must start again.
         self.version = 0
         self._staging: Staged | None = None
+        # Bytes that left the measured tiers because their owner dropped the
+        # pages (phase ``discard``), since the table was made: the policy adds
+        # them to the measured total, so its allocation rate counts every new
+        # block and not the growth net of the discarded ones.
+        self.dropped_bytes = 0.0
 
     def __len__(self) -> int:
         return self.n

@@ -773,7 +773,7 @@ class Engine:
     def explain(self, row: int) -> str:
         snap = self.table.snapshot()
         return self._explained(snap, row, pol.explain(snap, row, self.tier_states(), self.policy_cfg, self.pstate,
-                                                      self.clock()))
+                                                      self.clock(), self.table.dropped_bytes))
 
     def read_soon(self, read: Callable[[], Any]) -> "asyncio.Future":
         """``read()`` on the explain thread, for an answer that reads the
@@ -813,9 +813,9 @@ class Engine:
                 if s is None:
                     reg.get(region_id)  # raises not_found with the reason
                 row = s.start + block
-                snap = self.table.snapshot()
+                snap, dropped = self.table.snapshot(), self.table.dropped_bytes
                 if reg.generation == gen:
-                    return snap, row, pol.explain(snap, row, tiers, cfg, state, now)
+                    return snap, row, pol.explain(snap, row, tiers, cfg, state, now, dropped)
             raise KvtierError(f"the block table changed {EXPLAIN_TRIES} times while it was copied: try again")
 
         out = self.loop.create_future()
@@ -1226,10 +1226,12 @@ class Engine:
         known = np.flatnonzero(t.tier >= 0)
         if known.size == len(t):
             live = {name: getattr(t, name) for name in FIELDS}
-            plan, self.pstate = pol.plan(live, self.tier_states(), self.policy_cfg, self.pstate, now)
+            plan, self.pstate = pol.plan(live, self.tier_states(), self.policy_cfg, self.pstate, now,
+                                         t.dropped_bytes)
         else:
             live = {name: getattr(t, name)[known] for name in FIELDS}
-            plan, self.pstate = pol.plan(live, self.tier_states(), self.policy_cfg, self.pstate, now)
+            plan, self.pstate = pol.plan(live, self.tier_states(), self.policy_cfg, self.pstate, now,
+                                         t.dropped_bytes)
             if len(plan):
                 plan = replace(plan, rows=known[plan.rows])
         rows = plan.rows.astype(np.int64)

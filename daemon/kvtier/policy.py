@@ -282,7 +282,8 @@ class PolicyState:
     fast, so the demote bucket refills at ``max(demote_mbps, 1.5 * inflow)``.
     The inflow is what the measured tiers together gained since the last plan
     (moves do not change the total; new blocks do, wherever they landed: a
-    full DRAM sends them to CXL, and they must still count), averaged over
+    full DRAM sends them to CXL, and they must still count), the blocks
+    discarded meanwhile added back (``plan``'s ``dropped``), averaged over
     ``INFLOW_TAU_S``.
     """
 
@@ -834,12 +835,20 @@ def plan(
     cfg: PolicyConfig,
     state: PolicyState,
     now: float,
+    dropped: float = 0.0,
 ) -> tuple[Plan, PolicyState]:
-    """Decide this tick's moves. Pure: ``snap`` and ``state`` are not modified."""
+    """Decide this tick's moves. Pure: ``snap`` and ``state`` are not modified.
+
+    ``dropped``: ``BlockTable.dropped_bytes``, the bytes discarded out of the
+    measured tiers so far. Counted with what is measured, the allocation
+    rate is the new blocks' rate: net of discards it was 0 at a steady state
+    where new blocks fill DRAM as fast as blocks demoted earlier are
+    discarded from CXL (the demo guest: about 70 % of the new blocks' rate)."""
     tiers = sorted(tiers, key=lambda t: t.index)
     n = int(snap["tier"].size)
     max_block = float(snap["nbytes"].max()) if n else 0.0
     total = float(snap["nbytes"][(snap["tier"] >= 0) & (snap["tier"] < len(tiers))].sum()) if n else 0.0
+    total += dropped
     state = state.refill(cfg, now, max_block, total)
     if n == 0 or not tiers:
         return empty_plan(), state
@@ -963,8 +972,10 @@ def explain(
     cfg: PolicyConfig,
     state: PolicyState,
     now: float,
+    dropped: float = 0.0,
 ) -> str:
-    """Human-readable account of where block ``row`` is and what the policy would do."""
+    """Human-readable account of where block ``row`` is and what the policy
+    would do (``dropped`` as for ``plan``)."""
     tiers = sorted(tiers, key=lambda t: t.index)
     T = len(tiers)
     n = int(snap["tier"].size)
@@ -1004,7 +1015,7 @@ def explain(
                 )
     # The verdict is the plan's own: the rule that moved the block, or the
     # rule that kept it where it is, as plan() recorded it.
-    p, _ = plan(snap, tiers, cfg, state, now)
+    p, _ = plan(snap, tiers, cfg, state, now, dropped)
     hit = np.flatnonzero(p.rows == row)
     if hit.size:
         i = int(hit[0])

@@ -682,6 +682,33 @@ def test_a_block_faulted_back_after_a_pageout_is_barred_from_swap_only():
     assert p.rows[p.dst == 2].tolist() == [1]
 
 
+def test_allocations_beside_discards_still_get_their_room_in_dram():
+    # A serving engine at steady state: 2 new blocks/s land in DRAM by first
+    # touch while finished sessions' blocks, demoted to CXL earlier, are
+    # discarded (pages dropped) at the same rate. The measured bytes do not
+    # grow, yet DRAM fills at 2 blocks/s: the rate must count the new blocks,
+    # not the growth net of the discarded ones, or promotions fill the room.
+    c = cfg(high_wm=1.0, low_wm=0.5)
+    t = make_table(200, tier=1, temp=0.0)
+    t.tier[:100] = TIER_UNKNOWN  # free slots
+    t.flags[:100] |= np.uint8(F_NOT_PRESENT)
+    st = PolicyState()
+    for sec in range(30):
+        new = np.arange(2 * sec, 2 * sec + 2)
+        t.tier[new] = 0
+        t.temp[new] = 10.0  # read by their sessions
+        t.flags[new] &= ~np.uint8(F_NOT_PRESENT)
+        apply_phase(t, np.arange(100 + 2 * sec, 102 + 2 * sec), "discard")
+        _, st = plan(t.snapshot(), tiers(100), c, st, float(sec), dropped=t.dropped_bytes)
+    assert st.inflow_bps > 1.8 * BS
+    # warm blocks waiting in CXL (not enough hotter to displace the new
+    # ones): promotions fill DRAM but for the next second's new blocks
+    t.temp[160:] = 5.0
+    p, st = plan(t.snapshot(), tiers(100), c, st, 30.0, dropped=t.dropped_bytes)
+    apply(t, p, 30.0, c)
+    assert used(t, 0) == 98 * BS
+
+
 def test_allocations_beyond_the_migrator_build_a_backlog_that_decays():
     # A burst of 20 blocks/s for 3 s against demote_mbps of 4 blocks/s, after
     # a minute at 2 blocks/s: 16 blocks a second the migrator could not have

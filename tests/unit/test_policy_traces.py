@@ -8,7 +8,10 @@ with the client's prefetch at each arrival (the simulator's default), has
 kernel-like 0.667 / 0.700 and the feasible oracle's 0.991 / 0.840; with
 1 GiB/s buckets 0.818 (0.890) on the conversation slice (the demote bucket
 follows the allocation rate; the backlog, measured against demote_mbps,
-keeps more room free). Without phase
+keeps more room free). Counting the blocks discarded meanwhile in the
+allocation rate (BlockTable.dropped_bytes, 30f5cd3 -> the next commit):
+conversation 0.826 -> 0.829 (1 GiB/s buckets 0.818 -> 0.825), synthetic
+0.759 unchanged. Without phase
 messages runs still end on silence, so the phase path is covered by
 tests/unit/test_policy.py and test_hotness.py, not here."""
 

@@ -322,7 +322,7 @@ class Kvtier(SimPolicy):
         apply_phase(self.table, rows, "discard")
 
     def decide(self, now):
-        p, self.state = plan(self.view, self.tiers, self.cfg, self.state, now)
+        p, self.state = plan(self.view, self.tiers, self.cfg, self.state, now, self.table.dropped_bytes)
         self.last_plan = p
         return p.rows, p.dst
 
