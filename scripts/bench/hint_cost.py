@@ -14,7 +14,10 @@ some calls make), p50 / p99 / max, thread CPU time per call, and how the
 time splits between the calls that only queue and those that also send a
 frame. Two more runs pass an int64 array and a Python list instead, and
 two call ``hs.touch()`` of a hint set of the same blocks
-(``region.hint_set(ids)``, declared once), through the ring and the socket.
+(``region.hint_set(ids)``, declared once), through the ring and the socket,
+and two time its ``flush()`` alone (after 32 touches each: the guest
+workload's passes per hint_interval). --floors adds a ``time.monotonic()``
+(a hint set's look at the clock).
 The mean is
 what the engine pays; the guest's TCG is roughly 50-100x slower per
 interpreted instruction than this host.
@@ -65,6 +68,8 @@ class Floor:
             self.parts.append(ids)
         elif self.kind == "tobytes":
             self.parts.append(ids.tobytes())
+        elif self.kind == "clock":
+            time.monotonic()  # what a hint set's look at the clock costs (a system call under HPET)
         if len(self.parts) > 4096:
             self.parts.clear()
 
@@ -78,6 +83,20 @@ def run_set(hs, calls: int, gap: float = 0.0) -> dict:
     """``hs.touch()`` timed the same way: the hint-set API, its blocks
     declared once (Region.hint_set)."""
     return timed(type(hs).touch, hs, calls, gap, hs.region.client, len(hs))
+
+
+FLUSH_EVERY = 32  # touches per flush timed by run_flush: the guest workload's passes per hint_interval
+
+
+def run_flush(hs, flushes: int, gap: float = 0.0) -> dict:
+    """What one flush of a set costs: FLUSH_EVERY touches (not timed), then
+    ``hs.flush()`` timed, ``flushes`` times."""
+    return timed(_touch_and_flush, hs, flushes, gap, hs.region.client, len(hs))
+
+
+def _touch_and_flush(hs) -> None:
+    hs.touches += FLUSH_EVERY  # as FLUSH_EVERY touch() calls that did not look at the clock
+    hs.flush()
 
 
 def timed(call, arg, calls: int, gap: float, client, blocks: int) -> dict:
@@ -155,11 +174,13 @@ def main() -> int:
                 out["uint32 array, socket"] = run(by_socket, ids, a.calls, gap)
                 if c.ring is not None:
                     out["hint set touch(), ring"] = run_set(ring_set, a.calls, gap)
+                    out["hint set flush(), ring"] = run_flush(ring_set, a.calls // FLUSH_EVERY, gap)
                 out["hint set touch(), socket"] = run_set(socket_set, a.calls, gap)
+                out["hint set flush(), socket"] = run_flush(socket_set, a.calls // FLUSH_EVERY, gap)
                 out["int64 array"] = run(region, ids.astype(np.int64), a.calls, gap)
                 out["list"] = run(region, ids.tolist(), a.calls, gap)
                 if a.floors:
-                    for kind in ("empty", "append", "tobytes"):
+                    for kind in ("empty", "append", "tobytes", "clock"):
                         out[f"floor: {kind}"] = run(Floor(c, kind), ids, a.calls, gap)
                 errs = c.flush() + plain.flush()
                 out["async_errors"] = len(errs)

@@ -291,6 +291,7 @@ def run_mode(mode: str, seconds: float, log_level: str = "info", sample_s: float
         hint_s = [0.0]  # the workload's time inside region.hint(): what hinting costs the engine
         noop_s = [0.0]  # ... and inside an empty function call timed the same way
         calls_s: list[float] = []  # each pass's hint call (hint() or touch()), to see where hint_s went
+        noops_s: list[float] = []  # ... and its empty call
         declare_s: list[float] = []  # (set API) hint_set() and replace(), once a phase (in hint_s too)
         hot_ids: dict[int, np.ndarray] = {}
         first_hint: list[float] = []  # when the workload first hinted each phase's hot set (s from start)
@@ -354,6 +355,7 @@ def run_mode(mode: str, seconds: float, log_level: str = "info", sample_s: float
                         hint_s[0] += h1 - h0
                         noop_s[0] += h2 - h1
                         calls_s.append(h1 - h0)
+                        noops_s.append(h2 - h1)
                     else:
                         h0 = time.perf_counter()
                         _noop(ids)
@@ -363,6 +365,7 @@ def run_mode(mode: str, seconds: float, log_level: str = "info", sample_s: float
                         noop_s[0] += h1 - h0
                         hint_s[0] += h2 - h1
                         calls_s.append(h2 - h1)
+                        noops_s.append(h1 - h0)
                 rounds[0] += 1
             loop_s[0] = time.perf_counter() - t_start
 
@@ -438,6 +441,7 @@ def run_mode(mode: str, seconds: float, log_level: str = "info", sample_s: float
             "noop_call_s": round(noop_s[0], 3),
             "noop_share": round(noop_s[0] / loop_s[0], 5) if loop_s[0] > 0 else None,
             **(call_spread(calls_s, declare_s) if calls_s else {}),
+            **({"noop_spread": call_spread(noops_s, [])} if noops_s else {}),
             "series": series,
             "vmstat": delta,
             "migrated_mib": round(delta["pgmigrate_success"] * page / MiB, 1),
@@ -524,6 +528,10 @@ def hint_cost(m: dict) -> str:
         declared = f", declaring the set {m['declare_s']:.3f} s" if m.get("hint_api") == "set" else ""
         spread = (f"; first call {m['first_call_s']:.3f} s{declared}, slowest 1 % of the others "
                   f"{m['slowest_1pct_s']:.3f} s, the rest {m['others_s']:.3f} s (p50 {m['p50_us']:.0f} us)")
+        if "noop_spread" in m:
+            n = m["noop_spread"]
+            spread += (f"; empty call: slowest 1 % {n['slowest_1pct_s']:.3f} s, the rest {n['others_s']:.3f} s "
+                       f"(p50 {n['p50_us']:.0f} us)")
     return f"{m['hint_call_s']:.2f} s = {m['hint_share']:.2%}{floor}{spread}"
 
 
