@@ -346,6 +346,23 @@ def fit_scheduled(pstate: pol.PolicyState, cfg: pol.PolicyConfig, now: float, nb
                          demote_tokens=pstate.demote_tokens - spent["demote"])
 
 
+def dram_room(dram: pol.TierState, cfg: pol.PolicyConfig, pstate: pol.PolicyState, on_way: float) -> float:
+    """Bytes a move into DRAM may add now without a demotion first: up to
+    what promotions fill DRAM to (``policy.promote_limit``) and within its
+    free memory, less ``on_way`` (bytes already on their way there). A
+    prefetch and ``_promote_hot`` move only this much; the plan makes more
+    room by demoting colder residents. kvtier-sim's kvtier uses it too."""
+    room = pol.promote_limit(dram, cfg, pstate) - dram.used_bytes - on_way
+    if dram.free_bytes is not None:
+        room = min(room, float(dram.free_bytes) - on_way)
+    return room
+
+
+def fit_room(nbytes: np.ndarray, room: float) -> np.ndarray:
+    """The leading moves (in the order given) whose bytes fit in ``room``."""
+    return np.cumsum(nbytes.astype(np.float64)) <= room
+
+
 class Engine:
     def __init__(
         self,
@@ -900,7 +917,11 @@ class Engine:
         the event loop's next turn once the mover is free, not at the next
         tick, but paid from the policy's own token buckets. Returns what was
         queued, what is already there, and what cannot move (unmeasured,
-        untouched, unmovable, or kept in DRAM by a constraint)."""
+        untouched, unmovable, or kept in DRAM by a constraint). A prefetch
+        queues only what fits in DRAM's room (``dram_room``, oldest request
+        first when the mover takes them); the rest is ``deferred``: marked
+        hot, so the next plan promotes it and demotes colder residents to
+        make room, and no token is spent on a move DRAM would refuse."""
         t = self.table
         tier = t.tier[rows].astype(np.int64)
         flags = t.flags[rows]
@@ -918,12 +939,22 @@ class Engine:
             t.temp[rows] = 0.0
         there = movable & (dst == tier)
         go = movable & ~there
+        deferred = 0
+        if kind == "prefetch" and go.any():
+            wants = np.flatnonzero(go)
+            fits = fit_room(t.nbytes[row_select(rows, go)], self._dram_room())
+            go[wants[~fits]] = False
+            deferred = int((~fits).sum())
+            self._dram_full |= deferred > 0
         if go.any():
             sel = row_select(rows, go)
             self.scheduled.append((t.region[sel].astype(np.int64), t.index[sel].astype(np.int64),
                                    dst[go].astype(np.int8), self.clock(), timed))
             self.loop.call_soon(self.kick)
-        return {"queued": int(go.sum()), "already": int(there.sum()), "skipped": int((~movable).sum())}
+        out = {"queued": int(go.sum()), "already": int(there.sum()), "skipped": int((~movable).sum())}
+        if kind == "prefetch":
+            out["deferred"] = deferred
+        return out
 
     def kick(self) -> None:
         """Hand the scheduled moves to the mover now if it is idle (else its
@@ -1047,14 +1078,9 @@ class Engine:
         rows, eff = rows[hot], eff[hot]
         if rows.size == 0:
             return
-        states = self.tier_states()
-        room = pol.promote_limit(states[0], cfg, self.pstate) - states[0].used_bytes - self._bytes_to_dram()
-        if states[0].free_bytes is not None:
-            room = min(room, float(states[0].free_bytes) - self._bytes_to_dram())
         order = np.argsort(-eff, kind="stable")
         rows = rows[order]
-        fits = np.cumsum(t.nbytes[rows].astype(np.float64)) <= room
-        rows = rows[fits]
+        rows = rows[fit_room(t.nbytes[rows], self._dram_room())]
         if rows.size == 0:
             self._dram_full = True
             return
@@ -1062,6 +1088,11 @@ class Engine:
         self.scheduled.append((t.region[rows].astype(np.int64), t.index[rows].astype(np.int64),
                                np.zeros(rows.size, dtype=np.int8), now, False))
         self.kick()
+
+    def _dram_room(self) -> float:
+        """``dram_room`` for the daemon's DRAM now: its use from the table,
+        less what the mover's job and the queue are bringing there."""
+        return dram_room(self.tier_states()[0], self.policy_cfg, self.pstate, self._bytes_to_dram())
 
     def _bytes_to_dram(self) -> float:
         """Bytes on their way into tier 0 and not yet counted there: the
@@ -1114,6 +1145,20 @@ class Engine:
         rows, dst, asked, timed, src = rows[go], dst[go], asked[go], timed[go], src[go]
         if rows.size == 0:
             return None
+        # DRAM's room may have shrunk since these were queued (allocations,
+        # the plan): moves into DRAM beyond it are dropped before any token
+        # is spent on them; they are marked hot, so the plan takes them.
+        up = np.flatnonzero(dst == 0)
+        if up.size:
+            up = up[np.argsort(asked[up], kind="stable")]
+            drop = up[~fit_room(t.nbytes[rows[up]], self._dram_room())]
+            if drop.size:
+                self._dram_full = True
+                keep = np.ones(rows.size, dtype=bool)
+                keep[drop] = False
+                rows, dst, asked, timed, src = rows[keep], dst[keep], asked[keep], timed[keep], src[keep]
+            if rows.size == 0:
+                return None
         fits, self.pstate = fit_scheduled(self.pstate, self.policy_cfg, now, t.nbytes[rows], dst < src, asked)
         if not fits.all():
             w = ~fits

@@ -30,7 +30,7 @@ from kvtier.sim.cli import kvtier_settings
 from kvtier.sim.gen import generate
 from kvtier.sim.model import GIB, SimConfig
 from kvtier.sim.oracles import FeasibleOracle, belady_min
-from kvtier.sim.policies import POLICIES
+from kvtier.sim.policies import DEFAULT_PREFETCH, POLICIES
 from kvtier.sim.requests import RequestTrace
 from kvtier.sim.runner import simulate
 
@@ -44,7 +44,7 @@ NAMES = ("kvtier",) + BASELINES + ("feasible-oracle", "belady-min")
 PRESET_DRAM_FRAC = 0.3  # kvtier-sim's default for block traces (of peak live bytes)
 
 
-def run_policy(source, cfg, name: str, settings, prefetch: bool = True):
+def run_policy(source, cfg, name: str, settings, prefetch: bool = DEFAULT_PREFETCH):
     if name == "feasible-oracle":
         return simulate(source, cfg, FeasibleOracle())
     if name == "belady-min":
@@ -97,8 +97,8 @@ def main() -> int:
     ap.add_argument("--presets", action="store_true", help="also the synthetic presets chat, rag, bursty")
     ap.add_argument("--only-presets", action="store_true")
     ap.add_argument("--set", action="append", help="kvtier setting over the shipped default (as kvtier-sim --set)")
-    ap.add_argument("--kvtier-prefetch", choices=("on", "off"), default="on",
-                    help="kvtier's client prefetches each request's cached blocks at its arrival (kvtier-sim's default)")
+    ap.add_argument("--kvtier-prefetch", choices=("on", "off"), default="on" if DEFAULT_PREFETCH else "off",
+                    help="kvtier's client prefetches each request's cached blocks at its arrival (kvtier-sim's default: off)")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()

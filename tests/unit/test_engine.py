@@ -906,3 +906,36 @@ def test_a_block_prefetched_back_right_after_its_pageout_is_a_return(rig):
     assert r.stats.pageout_returns_total == sum(out)
     back = [b for b in range(8) if out[b]]
     assert (r.table.returns[rows][back] == 1).all() and (r.table.retry_at[rows][back] > r.clock.now).all()
+
+
+def test_a_prefetch_into_a_full_dram_moves_only_its_room_and_leaves_the_rest_to_the_plan(rig):
+    """Kills: a prefetch that queues (and pays promote tokens for) blocks
+    beyond DRAM's room below the promote limit, which move_pages would
+    refuse with ENOMEM while the plan's promotions go without tokens; or a
+    deferred block the next plan does not bring to DRAM."""
+    r = rig(16)
+    r.settle()
+    r.tick(2)  # 16 blocks against a DRAM budget of 8: the cold ones went to swap
+    swapped = [b for b, t in enumerate(r.tiers()) if t == SWAP_TIER][:4]
+    assert len(swapped) == 4
+    rows = np.asarray(swapped, dtype=np.int64) + r.rows().start
+    room = r.engine._dram_room()
+    assert room < 4 * BLOCK  # DRAM cannot take all four without a demotion first
+    tokens = r.engine.pstate.promote_tokens
+    r.kernel.calls.clear()
+    ans = r.engine.schedule(rows, "prefetch")
+    assert ans["queued"] * BLOCK <= max(room, 0.0) < (ans["queued"] + 1) * BLOCK
+    assert ans["queued"] + ans["deferred"] == 4 and ans["already"] == ans["skipped"] == 0
+    r.loop.run_until_complete(asyncio.sleep(0.05))  # the loop's next turn: the mover takes what was queued
+    while r.engine.mover.busy:
+        r.loop.run_until_complete(asyncio.sleep(0.005))
+    paged_in = sum(len(b) for op, b in r.kernel.calls if op == "pagein")
+    assert paged_in == ans["queued"]
+    # tokens only for what moved (the bucket may have refilled a little in between)
+    assert tokens - r.engine.pstate.promote_tokens <= ans["queued"] * BLOCK + 1
+    # The request reads them (its hints): the next plan promotes them, demoting
+    # colder residents for room. (The prefetch's mark alone decays below
+    # promote_temp by the first tick: it keeps them from being demoted only.)
+    r.hint(swapped)
+    r.tick(3)
+    assert all(r.tiers()[b] == DRAM for b in swapped), r.tiers()

@@ -3,10 +3,11 @@ fixed slice of each in-repo Mooncake trace (tests/data/mooncake, Apache-2.0),
 with the daemon's shipped defaults. The full grid is
 scripts/bench/policy_real_traces.py (docs/benchmarks.md); this keeps the
 claim from rotting. On these slices (2026-12-02, after main a2c96a4) kvtier,
-with the client's prefetch at each arrival (the simulator's default), has
-0.826 / 0.759 (0.890 / 0.814 without it) against LRU's 0.781 / 0.698, the
+without the client's prefetch at each arrival (the simulator's default
+since its prefetch costs hit ratio: docs/benchmarks.md, sixth round), has
+0.890 / 0.814 against LRU's 0.781 / 0.698, the
 kernel-like 0.667 / 0.700 and the feasible oracle's 0.991 / 0.840; with
-1 GiB/s buckets 0.818 (0.890) on the conversation slice (the demote bucket
+1 GiB/s buckets 0.890 on the conversation slice (the demote bucket
 follows the allocation rate; the backlog, measured against demote_mbps,
 keeps more room free). Counting the blocks discarded meanwhile in the
 allocation rate (BlockTable.dropped_bytes, 30f5cd3 -> the next commit):

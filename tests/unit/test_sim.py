@@ -442,6 +442,9 @@ def _returning_prefix(tmp_path, migrate_gbps=None):
     return tr, cfg
 
 
+ROOMY = PolicyConfig(low_wm=0.7)  # DRAM's room at 10 s holds both of A's blocks
+
+
 def _dram_reads(r, k):
     fast, every = r.timeline
     return float(fast[k]), float(every[k])
@@ -453,7 +456,9 @@ def test_kvtier_prefetch_serves_a_returning_prefix_from_dram_after_its_move(tmp_
     without = simulate(tr, cfg, Kvtier(prefetch=False))
     # the prefix is read from CXL for the whole tick it is taken in: only block 3 from DRAM
     assert _dram_reads(without, 10) == (10.0, 30.0)
-    r = simulate(tr, cfg, Kvtier())
+    # low_wm 0.7: the plans before 10 s demote X's cold blocks far enough
+    # below the promote limit for both of A's blocks to fit.
+    r = simulate(tr, cfg, Kvtier(ROOMY, prefetch=True))
     # Asked at 10.0 s, block 1 is in DRAM at 10.067 s and block 2 at 10.134 s
     # (256 MiB each at 4 GB/s, one after the other): the two prefill reads
     # and block 2's first decode step (10.1 s) come from CXL, the rest from DRAM.
@@ -462,10 +467,26 @@ def test_kvtier_prefetch_serves_a_returning_prefix_from_dram_after_its_move(tmp_
     assert r.migrated_bytes["cxl->dram"] == 2 * bb  # the prefetch's bytes count as moved
 
 
+def test_kvtier_prefetch_beyond_drams_room_is_left_to_the_plan(tmp_path):
+    """Kills: a prefetch that moves more than DRAM's room below the promote
+    limit (``engine.dram_room``), or a deferred block the plan does not take.
+    With the shipped low_wm the room at 10 s holds one of A's blocks: block 1
+    moves at once, block 2 stays on CXL for tick 10 (only its reads, no
+    refused move, no tokens) and the plan at 11 s promotes it, making room by
+    demoting X's cold blocks: tick 11 reads everything from DRAM."""
+    tr, cfg = _returning_prefix(tmp_path)
+    bb = tr.block_bytes
+    r = simulate(tr, cfg, Kvtier(prefetch=True))
+    assert _dram_reads(r, 10) == (10.0 + 9.0, 30.0)  # block 3 and block 1 from 10.1 s
+    assert _dram_reads(r, 11) == (30.0, 30.0)
+    assert r.extra["prefetch_blocks_moved"] == 1 and r.extra["prefetch_blocks_refused"] == 0
+    assert r.migrated_bytes["cxl->dram"] == 2 * bb  # one by the prefetch, one by the plan
+
+
 def test_kvtier_prefetch_moves_within_the_migrator_budget_and_the_token_buckets(tmp_path):
     # 0.62 s per move: block 1 is in DRAM at 10.62 s, block 2 at 11.24 s, in the next tick
     tr, cfg = _returning_prefix(tmp_path, migrate_gbps=(256 << 20) / 0.62e9)
-    r = simulate(tr, cfg, Kvtier())
+    r = simulate(tr, cfg, Kvtier(ROOMY, prefetch=True))
     # tick 10: block 1's reads from 10.7 s on (3) and block 3's 10 from DRAM
     assert _dram_reads(r, 10) == (13.0, 30.0)
     # tick 11: block 2's steps at 11.0, 11.1 and 11.2 s still from CXL
@@ -476,7 +497,7 @@ def test_kvtier_prefetch_moves_within_the_migrator_budget_and_the_token_buckets(
     # block 2 waits for tokens until the tick at 11 s (which moves it first
     # and plans nothing): its step at 11.0 s is still read from CXL.
     tr, cfg = _returning_prefix(tmp_path)
-    slow = simulate(tr, cfg, Kvtier(PolicyConfig(promote_mbps=256.0)))
+    slow = simulate(tr, cfg, Kvtier(PolicyConfig(promote_mbps=256.0, low_wm=ROOMY.low_wm), prefetch=True))
     assert _dram_reads(slow, 10) == (10.0 + 9.0, 30.0)
     assert _dram_reads(slow, 11) == (29.0, 30.0)
     assert slow.extra["prefetch_blocks_moved"] == 2 and slow.extra["ticks_busy"] == 0

@@ -26,7 +26,7 @@ from ..policy import PolicyConfig
 from .gen import PRESETS, generate
 from .model import GIB, SimConfig, load_config
 from .oracles import FeasibleOracle, belady_min
-from .policies import POLICIES
+from .policies import DEFAULT_PREFETCH, POLICIES
 from .requests import DEFAULT_DECODE_TPS, DEFAULT_MODEL, FORMATS, MODELS, RequestTrace
 from .runner import Result, capacity_cost, simulate
 from . import recording
@@ -84,14 +84,14 @@ def kvtier_settings(items: list[str] | None) -> tuple[PolicyConfig, float, float
             float(cfg.get("hotness.end_of_run")))
 
 
-def make_policy(name: str, settings: tuple[PolicyConfig, float, float] | None = None, prefetch: bool = True):
+def make_policy(name: str, settings: tuple[PolicyConfig, float, float] | None = None, prefetch: bool = DEFAULT_PREFETCH):
     cls = POLICIES[name]
     if name == "kvtier":
         return cls(*settings, prefetch=prefetch) if settings else cls(prefetch=prefetch)
     return cls()
 
 
-def run_all(tr, cfg: SimConfig, names: list[str], settings=None, prefetch: bool = True) -> list[Result]:
+def run_all(tr, cfg: SimConfig, names: list[str], settings=None, prefetch: bool = DEFAULT_PREFETCH) -> list[Result]:
     results = []
     for n in names:
         if n == "belady-min":
@@ -218,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
                    help="kvtier setting over the daemon's shipped default: policy.KEY (any PolicyConfig field) "
                         "or hotness.KEY (tau_s, end_of_run); repeatable")
-    r.add_argument("--kvtier-prefetch", choices=("on", "off"), default="on",
+    r.add_argument("--kvtier-prefetch", choices=("on", "off"), default="on" if DEFAULT_PREFETCH else "off",
                    help="request traces: kvtier's client prefetches each request's cached blocks at its arrival")
     r.add_argument("--json", action="store_true", help="JSON instead of a table")
     r.add_argument("--plot", help="directory for PNG plots")

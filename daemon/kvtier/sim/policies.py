@@ -30,10 +30,12 @@ references of ``kvtier.sim.oracles``.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from ..blocks import F_NOT_PRESENT, F_UNMOVABLE, FIELDS, BlockTable
-from ..engine import fit_scheduled, mark_prefetched
+from ..engine import dram_room, fit_room, fit_scheduled, mark_prefetched
 from ..hotness import DEFAULT_TAU_S, END_OF_RUN, SOURCE_WEIGHTS, Temperature, apply_phase
 from ..policy import PolicyConfig, PolicyState, plan, record_results, refund
 
@@ -247,6 +249,14 @@ class Damos(SimPolicy):
         return np.concatenate([down, up]), np.concatenate([eng.demote_target(down), np.zeros(up.size, np.int8)])
 
 
+# kvtier's client prefetch at each request's arrival, off by default: with
+# the daemon's prefetch limited to DRAM's room (engine.dram_room) it still
+# costs hit ratio in 8 of the 12 Mooncake cells (up to 0.05), where the
+# migrator is the bottleneck (docs/benchmarks.md, sixth round). The one
+# default kvtier-sim's CLI and the policy benches read.
+DEFAULT_PREFETCH = False
+
+
 class Kvtier(SimPolicy):
     """The daemon's own policy: kvtier.hotness temperatures + kvtier.policy.plan,
     with the daemon's shipped defaults unless ``cfg`` / ``tau_s`` / ``end_of_run`` are given.
@@ -257,7 +267,7 @@ class Kvtier(SimPolicy):
     the code the daemon's registry runs): ``active`` when a request takes a
     cached block, ``free`` when no request uses it any more.
 
-    With ``prefetch`` (the default) the client also sends ``prefetch`` for
+    With ``prefetch`` (off by default: ``DEFAULT_PREFETCH``) the client also sends ``prefetch`` for
     the cached blocks a request finds at its arrival (its prefix-cache hits),
     as docs/integrations.md has an engine do when it schedules a request:
     the daemon's ``Engine.schedule`` and ``_build_scheduled`` on this table
@@ -267,7 +277,7 @@ class Kvtier(SimPolicy):
     name = "kvtier"
 
     def __init__(self, cfg: PolicyConfig | None = None, tau_s: float | None = None, end_of_run: float | None = None,
-                 prefetch: bool = True):
+                 prefetch: bool = DEFAULT_PREFETCH):
         self.cfg = cfg if cfg is not None else PolicyConfig()
         self.tau_s = DEFAULT_TAU_S if tau_s is None else tau_s
         self.end_of_run = END_OF_RUN if end_of_run is None else end_of_run
@@ -328,14 +338,26 @@ class Kvtier(SimPolicy):
 
     def schedule(self, rows, now):
         """The daemon's ``Engine.schedule(rows, "prefetch")``: hot for the
-        policy, and queued for DRAM unless there already or not movable."""
+        policy, and queued for DRAM unless there already or not movable, as
+        far as DRAM's room goes (``engine.dram_room``, less what is queued);
+        the rest is left to the next plan (deferred)."""
         t = self.table
         tier = t.tier[rows]
         movable = (tier >= 0) & ((t.flags[rows] & (F_UNMOVABLE | F_NOT_PRESENT)) == 0)
         mark_prefetched(t, self.temp, rows, self.cfg)
         go = movable & (tier != 0)
         if go.any():
-            self.scheduled.append((rows[go], np.full(int(go.sum()), float(now))))
+            queued = float(sum(t.nbytes[r].astype(np.float64).sum() for r, _ in self.scheduled))
+            want = rows[go]
+            want = want[fit_room(t.nbytes[want], self._dram_room(queued))]
+            if want.size:
+                self.scheduled.append((want, np.full(want.size, float(now))))
+
+    def _dram_room(self, on_way: float) -> float:
+        # DRAM's use as the daemon knows it: its table plus the mover's job
+        # (the engine's occupancy counts a prefetch job's blocks from its start)
+        dram = replace(self.tiers[0], used_bytes=int(self.eng.occ[0]) * self.eng.block_bytes)
+        return dram_room(dram, self.cfg, self.state, on_way)
 
     def has_scheduled(self) -> bool:
         return bool(self.scheduled)
@@ -353,6 +375,10 @@ class Kvtier(SimPolicy):
         rows, asked = rows[keep], asked[keep]
         go = t.tier[rows] > 0
         rows, asked = rows[go], asked[go]
+        order = np.argsort(asked, kind="stable")
+        rows, asked = rows[order], asked[order]
+        room = fit_room(t.nbytes[rows], self._dram_room(0.0))  # shrunk since queued: the rest to the plan
+        rows, asked = rows[room], asked[room]
         if rows.size == 0:
             return rows
         fits, self.state = fit_scheduled(self.state, self.cfg, now, t.nbytes[rows], np.ones(rows.size, bool), asked)
