@@ -41,7 +41,7 @@ import numpy as np
 
 from kvtier import protocol
 from kvtier.client import (ENV_SOCKET, DaemonUnavailable, EngineRegion, KvtierClientError, PoolMemory, Region,
-                           moved_mask, next_page, register_range)
+                           _prefetch_selection, moved_mask, next_page, register_range)
 
 
 class _ConnectionLost(DaemonUnavailable):
@@ -75,11 +75,11 @@ class AsyncRegion(Region):
         self.flush()
         t0 = time.monotonic()
         r = await self.client.call(protocol.Prefetch(region=self.id, blocks=_packed(blocks)))
-        if wait and r["queued"]:
-            sel = slice(None) if blocks is None else np.asarray(blocks, dtype=np.int64).ravel()
-            while not ((await self.query())[sel] == 0).all():
+        if wait and r["queued"]:  # the queued ones, as Region.prefetch
+            sel = _prefetch_selection(blocks)
+            while np.count_nonzero((await self.query())[sel] == 0) < r["already"] + r["queued"]:
                 if time.monotonic() - t0 > timeout:
-                    raise TimeoutError(f"region {self.id}: prefetched blocks not in tier 0 after {timeout}s")
+                    raise TimeoutError(f"region {self.id}: {r['queued']} prefetched blocks not in tier 0 after {timeout}s")
                 await asyncio.sleep(0.001)
             r["seconds"] = time.monotonic() - t0
         return r

@@ -234,6 +234,12 @@ class PoolMemory:
         return arr if shape is None else arr.reshape(shape)
 
 
+def _prefetch_selection(blocks: Iterable[int] | np.ndarray | None) -> slice | np.ndarray:
+    """The blocks a prefetch named, as the daemon counts them (a block named
+    twice counts twice in ``already`` / ``queued``)."""
+    return slice(None) if blocks is None else np.asarray(blocks, dtype=np.int64).ravel()
+
+
 class Region:
     """A registered region; a context manager that unregisters on exit."""
 
@@ -460,16 +466,20 @@ class Region:
         in its next event-loop turn (within its migration rate limits).
         Returns ``queued`` / ``already`` (in tier 0) / ``skipped`` (cannot
         move: unmeasured, untouched or pinned). ``wait=True`` returns once
-        the daemon reports them all in tier 0, with ``seconds`` waited."""
+        the daemon reports the queued ones in tier 0 (as many of the named
+        blocks there as ``already`` + ``queued``), with ``seconds`` waited:
+        ``skipped`` blocks never move and ``deferred`` ones (no room in DRAM
+        now, docs/protocol.md) go up with a later plan, so neither is waited
+        for."""
         self.flush()
         packed = None if blocks is None else protocol.pack_blocks(np.asarray(blocks).ravel())
         t0 = time.monotonic()
         r = self.client.call(protocol.Prefetch(region=self.id, blocks=packed))
         if wait and r["queued"]:
-            sel = slice(None) if blocks is None else np.asarray(blocks, dtype=np.int64).ravel()
-            while not (self.query()[sel] == 0).all():
+            sel = _prefetch_selection(blocks)
+            while np.count_nonzero(self.query()[sel] == 0) < r["already"] + r["queued"]:
                 if time.monotonic() - t0 > timeout:
-                    raise TimeoutError(f"region {self.id}: prefetched blocks not in tier 0 after {timeout}s")
+                    raise TimeoutError(f"region {self.id}: {r['queued']} prefetched blocks not in tier 0 after {timeout}s")
                 time.sleep(0.001)
             r["seconds"] = time.monotonic() - t0
         return r

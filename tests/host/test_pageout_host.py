@@ -231,3 +231,21 @@ def test_blocks_a_reader_faults_straight_back_are_not_paged_out_again(quota_kvti
         kernel, ours = wait_for(agree, "the daemon's view to follow the kernel's")
         assert kernel >= POOL - BLOCK  # the reader holds its blocks in
         assert child.ask("stop").startswith("ok ")
+
+
+def test_prefetch_wait_returns_once_the_queued_blocks_are_in_dram(kvtierd):
+    """A prefetch that names a block that cannot move (its process unmapped
+    it: the daemon answers it ``skipped``) beside blocks in swap: ``wait=True``
+    returns once the queued ones are in DRAM. It waited for every named
+    block before, so here it could only end in TimeoutError."""
+    with KVChild(POOL) as child, Client(kvtierd.socket, name="test_prefetch_wait") as kv:
+        region = kv.register(addr=child.addr, length=POOL, block_size=BLOCK, name="pool", pid=child.pid)
+        measured(region)
+        r = ctl(kvtierd, "migrate", str(region.id), "swap", "--wait")
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert child.ask(f"munmap {15 * BLOCK} {BLOCK}") == "ok"  # block 15 can never come back
+        wait_for(lambda: region.query()[15] < 0, "block 15 seen unmapped")
+        ans = region.prefetch([0, 1, 15], wait=True, timeout=20)
+        assert ans["queued"] == 2 and ans["queued"] + ans["already"] < 3, ans
+        assert (region.query()[:2] == 0).all()
+        assert (resident_blocks(child.pid, child.addr, 2) == BLOCK // PAGE).all()  # the kernel agrees
