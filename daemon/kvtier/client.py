@@ -234,6 +234,18 @@ class PoolMemory:
         return arr if shape is None else arr.reshape(shape)
 
 
+def _next_stride(stride: int, span: float, interval: float) -> int:
+    """Calls between clock reads, from the time ``span`` the last ``stride``
+    calls took: doubled (up to MAX_CLOCK_STRIDE) while they come fast
+    against ``interval``, back to 1 at once when slow (the next batch must
+    not wait for 16 slow calls)."""
+    if span < interval / 16 and stride < MAX_CLOCK_STRIDE:
+        return stride * 2
+    if span > interval / 4:
+        return 1
+    return stride
+
+
 def _prefetch_selection(blocks: Iterable[int] | np.ndarray | None) -> slice | np.ndarray:
     """The blocks a prefetch named, as the daemon counts them (a block named
     twice counts twice in ``already`` / ``queued``)."""
@@ -374,11 +386,7 @@ class Region:
                 self._flush_hints()
                 return
         else:
-            span = now - self._clock_at
-            if span < interval / 16 and self._stride < MAX_CLOCK_STRIDE:
-                self._stride *= 2
-            elif span > interval / 4:
-                self._stride = 1  # slower at once: the next batch must not wait for 16 slow calls
+            self._stride = _next_stride(self._stride, now - self._clock_at, interval)
         self._clock_at = now
         self._until_clock = self._stride
         if now - self._first_pending >= interval:
@@ -663,11 +671,7 @@ class HintSet:
         if now - self._sent_at >= interval:
             self._send(now)
             return
-        span = now - self._clock_at
-        if span < interval / 16 and self._stride < MAX_CLOCK_STRIDE:
-            self._stride *= 2
-        elif span > interval / 4:
-            self._stride = 1
+        self._stride = _next_stride(self._stride, now - self._clock_at, interval)
         self._clock_at = now
         self._check_at = self.touches + self._stride
 

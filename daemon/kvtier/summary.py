@@ -299,7 +299,7 @@ class BlockSummarizer:
             s = slices.get(self._cur)
             if s is None:  # unregistered while under way
                 self._cur = None
-                carried = False if not segs else carried
+                carried = False  # (only the first visit can find it gone: no range taken yet)
                 continue
             take = min(s.count - self._off, budget - rows)
             lo = s.start + self._off
