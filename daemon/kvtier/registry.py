@@ -430,7 +430,12 @@ class Registry:
     def drop_unmapped(self, region_id: int) -> Region:
         """The region's memory is gone (munmap, free of a large buffer): its
         blocks can never be measured or moved again, and it counts against
-        the owner's limits. Forget it and keep the reason for the owner."""
+        the owner's limits. Forget it and keep the reason for the owner.
+        A process that exec'd a setuid program has a new, briefly empty
+        address space: its uid change is the reason given when it is one."""
+        reg = self.regions[region_id]
+        if self._check_uid(reg.pid) and region_id not in self.regions:
+            return reg
         reg = self.remove(region_id)
         self.stats.regions_dropped_unmapped_total += 1
         self._dropped(reg, f"its memory 0x{reg.start:x}+{reg.length} is no longer mapped in pid {reg.pid} "
@@ -445,8 +450,8 @@ class Registry:
         its place (an allocator reusing the address): the old region goes,
         rather than every register of the new buffer failing with overlap."""
         for rid in list(self.by_pid.get(pid, ())):
-            r = self.regions[rid]
-            if r.mode != "kernel" or not (start < r.end and r.start < start + length):
+            r = self.regions.get(rid)
+            if r is None or r.mode != "kernel" or not (start < r.end and r.start < start + length):
                 continue
             addrs = self.table.region_view(rid, "addr")
             try:
@@ -694,29 +699,33 @@ class Registry:
         process now runs as the owner: the owner must not go on moving,
         pinning or hinting memory of a process that is no longer its own.
         Root's regions stay (root may register any process's memory)."""
+        return sum(self._check_uid(pid) for pid in list(self.pid_uids))
+
+    def _check_uid(self, pid: int) -> int:
+        """check_uids for one process: how many of its regions it dropped."""
+        was = self.pid_uids.get(pid)
+        ids = [rid for rid in self.by_pid.get(pid, ()) if self.regions[rid].owner_uid != 0]
+        if was is None or not ids:
+            return 0
+        try:
+            now = self.processes.uids(pid)
+        except (KvtierError, OSError):
+            return 0  # gone: the pidfd (or the next check_alive) drops it
+        if now == was:
+            return 0
         dropped = 0
-        for pid, was in list(self.pid_uids.items()):
-            ids = [rid for rid in self.by_pid.get(pid, ()) if self.regions[rid].owner_uid != 0]
-            if not ids:
+        for rid in ids:
+            reg = self.regions[rid]
+            if now == (reg.owner_uid, reg.owner_uid):
                 continue
-            try:
-                now = self.processes.uids(pid)
-            except (KvtierError, OSError):
-                continue  # gone: the pidfd (or the next check_alive) drops it
-            if now == was:
-                continue
-            for rid in ids:
-                reg = self.regions[rid]
-                if now == (reg.owner_uid, reg.owner_uid):
-                    continue
-                self.remove(rid)
-                self.stats.regions_dropped_uid_total += 1
-                self._dropped(reg, f"its process {pid} now runs as uid {now[0]}/{now[1]} (was {was[0]}/{was[1]}: "
-                                   "exec of a setuid program or setuid()), not as its owner uid "
-                                   f"{reg.owner_uid}")
-                logs.event(log, "region_dropped", logging.WARNING, region=rid, pid=pid, name=reg.name,
-                           reason="process uid changed", uid=now[0], euid=now[1], owner_uid=reg.owner_uid)
-                dropped += 1
-            if pid in self.pid_uids:
-                self.pid_uids[pid] = now
+            self.remove(rid)
+            self.stats.regions_dropped_uid_total += 1
+            self._dropped(reg, f"its process {pid} now runs as uid {now[0]}/{now[1]} (was {was[0]}/{was[1]}: "
+                               "exec of a setuid program or setuid()), not as its owner uid "
+                               f"{reg.owner_uid}")
+            logs.event(log, "region_dropped", logging.WARNING, region=rid, pid=pid, name=reg.name,
+                       reason="process uid changed", uid=now[0], euid=now[1], owner_uid=reg.owner_uid)
+            dropped += 1
+        if pid in self.pid_uids:
+            self.pid_uids[pid] = now
         return dropped

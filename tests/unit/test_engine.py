@@ -194,6 +194,7 @@ class FakeProcesses:
     def __init__(self, nbytes: int, kernel: FakeKernel):
         self.nbytes = nbytes
         self.kernel = kernel
+        self.ids = (0, 0)  # (ruid, euid) of PID
 
     def mapped_blocks(self, pid, starts, lengths):
         return self.kernel.mapped_blocks(pid, starts, lengths)
@@ -208,7 +209,7 @@ class FakeProcesses:
         return True
 
     def uids(self, pid):
-        return (0, 0)
+        return self.ids
 
 
 class FakeSource:
@@ -685,6 +686,26 @@ def test_a_region_whose_memory_is_gone_is_dropped_with_its_reason(rig):
     with pytest.raises(NotFound, match=r"no longer mapped in pid 4242"):
         r.registry.get(r.region)
     assert r.tiers(other) == [DRAM] * 4
+
+
+def test_a_region_gone_in_a_setuid_exec_is_dropped_for_the_uid_change(rig):
+    """exec of a setuid program gives the process a new address space that
+    is empty until the program is mapped: a mapping check then found
+    nobody's region unmapped and gave that as the reason (seen once in CI),
+    hiding from the owner and the operator that the process now runs as
+    root. Kills: drop_unmapped not looking at the process's uids first."""
+    r = rig(8)
+    procs = r.registry.processes
+    procs.ids = (65534, 65534)
+    mine = r.registry.add(PID, BASE + 8 * BLOCK, 4 * BLOCK, BLOCK, name="nobody's", owner_uid=65534).id
+    r.settle()
+    procs.ids = (65534, 0)  # the setuid exec: ruid kept, euid root
+    r.kernel.unmap(8 * PPB, 4 * PPB)  # and nothing of the old image mapped yet
+    r.engine.check_mapping([mine])
+    with pytest.raises(NotFound, match=r"now runs as uid 65534/0 .*setuid"):
+        r.registry.get(mine)
+    assert r.stats.regions_dropped_uid_total == 1 and r.stats.regions_dropped_unmapped_total == 0
+    assert r.region in r.registry.regions  # root's region of the same process stays
 
 
 def test_a_partly_unmapped_region_is_moved_where_mapped_and_reported(rig):
