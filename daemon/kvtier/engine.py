@@ -363,6 +363,29 @@ def fit_room(nbytes: np.ndarray, room: float) -> np.ndarray:
     return np.cumsum(nbytes.astype(np.float64)) <= room
 
 
+def movable_now(tier: np.ndarray, flags: np.ndarray) -> np.ndarray:
+    """Blocks a prefetch or release may move: measured, present, movable.
+    kvtier-sim's kvtier tests its prefetches with this too."""
+    return (tier >= 0) & ((flags & (F_UNMOVABLE | F_NOT_PRESENT)) == 0)
+
+
+def last_requests(rows: np.ndarray) -> np.ndarray:
+    """Positions of the last request for each block among ``rows`` (a
+    release after a prefetch wins), in the blocks' row order."""
+    _, last = np.unique(rows[::-1], return_index=True)
+    return rows.size - 1 - last
+
+
+def oldest_in_room(nbytes: np.ndarray, asked: np.ndarray, room: float) -> np.ndarray:
+    """Which moves into DRAM fit in ``room``, the oldest request first
+    (DRAM's room may have shrunk since they were queued): a bool mask in
+    the moves' own order."""
+    order = np.argsort(asked, kind="stable")
+    keep = np.zeros(asked.size, dtype=bool)
+    keep[order[fit_room(nbytes[order], room)]] = True
+    return keep
+
+
 class Engine:
     def __init__(
         self,
@@ -926,7 +949,7 @@ class Engine:
         tier = t.tier[rows].astype(np.int64)
         flags = t.flags[rows]
         n = row_count(rows)
-        movable = (tier >= 0) & ((flags & (F_UNMOVABLE | F_NOT_PRESENT)) == 0)
+        movable = movable_now(tier, flags)
         if kind == "prefetch":
             dst = np.zeros(n, dtype=np.int64)
             mark_prefetched(t, self.temperature, rows, self.policy_cfg)
@@ -1135,9 +1158,7 @@ class Engine:
         timed = np.concatenate([np.broadcast_to(np.bool_(e[4]), e[0].shape) for e in self.scheduled])
         self.scheduled.clear()
         rows = t.rows_of(regions, indices)
-        # the last request for a block wins (a release after a prefetch)
-        _, last = np.unique(rows[::-1], return_index=True)
-        keep = rows.size - 1 - last
+        keep = last_requests(rows)
         keep = keep[rows[keep] >= 0]
         rows, dst, asked, timed = rows[keep], dst[keep], asked[keep], timed[keep]
         src = t.tier[rows].copy()
@@ -1150,8 +1171,7 @@ class Engine:
         # is spent on them; they are marked hot, so the plan takes them.
         up = np.flatnonzero(dst == 0)
         if up.size:
-            up = up[np.argsort(asked[up], kind="stable")]
-            drop = up[~fit_room(t.nbytes[rows[up]], self._dram_room())]
+            drop = up[~oldest_in_room(t.nbytes[rows[up]], asked[up], self._dram_room())]
             if drop.size:
                 self._dram_full = True
                 keep = np.ones(rows.size, dtype=bool)

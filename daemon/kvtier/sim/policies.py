@@ -35,7 +35,7 @@ from dataclasses import replace
 import numpy as np
 
 from ..blocks import F_NOT_PRESENT, F_UNMOVABLE, FIELDS, BlockTable
-from ..engine import dram_room, fit_room, fit_scheduled, mark_prefetched
+from ..engine import dram_room, fit_room, fit_scheduled, last_requests, mark_prefetched, movable_now, oldest_in_room
 from ..hotness import DEFAULT_TAU_S, END_OF_RUN, SOURCE_WEIGHTS, Temperature, apply_phase
 from ..policy import PolicyConfig, PolicyState, plan, record_results, refund
 
@@ -343,7 +343,7 @@ class Kvtier(SimPolicy):
         the rest is left to the next plan (deferred)."""
         t = self.table
         tier = t.tier[rows]
-        movable = (tier >= 0) & ((t.flags[rows] & (F_UNMOVABLE | F_NOT_PRESENT)) == 0)
+        movable = movable_now(tier, t.flags[rows])
         mark_prefetched(t, self.temp, rows, self.cfg)
         go = movable & (tier != 0)
         if go.any():
@@ -370,14 +370,13 @@ class Kvtier(SimPolicy):
         rows = np.concatenate([r for r, _ in self.scheduled])
         asked = np.concatenate([at for _, at in self.scheduled])
         self.scheduled = []
-        _, last = np.unique(rows[::-1], return_index=True)
-        keep = rows.size - 1 - last
+        keep = last_requests(rows)
         rows, asked = rows[keep], asked[keep]
         go = t.tier[rows] > 0
         rows, asked = rows[go], asked[go]
-        order = np.argsort(asked, kind="stable")
+        order = np.argsort(asked, kind="stable")  # oldest request first
         rows, asked = rows[order], asked[order]
-        room = fit_room(t.nbytes[rows], self._dram_room(0.0))  # shrunk since queued: the rest to the plan
+        room = oldest_in_room(t.nbytes[rows], asked, self._dram_room(0.0))  # shrunk since queued: the rest to the plan
         rows, asked = rows[room], asked[room]
         if rows.size == 0:
             return rows
