@@ -4,7 +4,8 @@ A client asks for a ring on its connection (op ``hint_ring``); the daemon
 makes a memfd, maps it, seals its size and passes the fd with SCM_RIGHTS in
 the answer; the client maps it too. One producer (the client) writes words
 and publishes them by advancing ``head``; one consumer (the daemon) copies
-them out every ``daemon.hint_ring_interval`` and before each request of
+them out every ``daemon.hint_ring_interval`` (backing off to
+``IDLE_INTERVAL_MAX`` while every ring is empty) and before each request of
 that connection, and advances ``tail``. The layout (docs/protocol.md,
 "hint_ring") is defined here once for both sides:
 
@@ -65,6 +66,14 @@ MASK64 = (1 << 64) - 1
 # daemon.hint_ring_interval: how late a hint may be applied.
 DEFAULT_ENTRIES = 1 << 17
 DEFAULT_INTERVAL = 0.02
+# A drain pass that finds every ring empty doubles the wait before the next
+# one, up to this (never below daemon.hint_ring_interval); the first pass
+# that finds a word goes back to the interval. A connection that keeps its
+# ring open while it has nothing to hint then costs the daemon about three
+# wakeups a second instead of fifty, a busy ring is drained at the interval,
+# and the first hint after a quiet spell waits at most this long (or until
+# its connection's next request, which drains first).
+IDLE_INTERVAL_MAX = 0.32
 MIN_ENTRIES = 64
 
 # Why hints were not applied (the daemon's counters, `stats`' hint_ring_entries):

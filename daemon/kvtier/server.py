@@ -489,13 +489,19 @@ class ControlAPI:
         self.ring_entries = hintring.DEFAULT_ENTRIES  # limits.hint_ring_entries (0: no rings)
         self.ring_interval = hintring.DEFAULT_INTERVAL  # daemon.hint_ring_interval
         self._ring_timer: asyncio.TimerHandle | None = None
+        self._ring_wait = self.ring_interval  # until the next drain pass: backs off while the rings are empty
+        self.ring_passes = 0  # drain passes of the timer (work an idle ring costs)
 
     def handle(self, peer: Peer, req: protocol.Request) -> Any:
         # A request applies after the hints its connection published in its
         # ring before sending it, as after hints sent on the socket before it
         # (a phase "free" must not be undone by a hint written earlier).
         if self.rings and peer in self.rings:
-            self._drain_ring(peer, self.rings[peer])
+            ring = self.rings[peer]
+            before = ring.consumed
+            self._drain_ring(peer, ring)
+            if ring.consumed != before:
+                self._rings_busy()
         return self._handlers[type(req)](peer, req)
 
     # -- authorisation ---------------------------------------------------
@@ -805,7 +811,7 @@ class ControlAPI:
                 ring.close()
                 self.stats.hint_rings_open = len(self.rings)
 
-        self._arm_ring_timer()
+        self._rings_busy()  # its first hints are drained at the interval, not after an idle wait
         return WithFd(self._ring_answer(ring, True), ring.fd, done)
 
     @staticmethod
@@ -818,15 +824,34 @@ class ControlAPI:
 
     def _arm_ring_timer(self) -> None:
         if self._ring_timer is None and self.rings:
-            self._ring_timer = asyncio.get_running_loop().call_later(self.ring_interval, self._drain_rings)
+            self._ring_timer = asyncio.get_running_loop().call_later(self._ring_wait, self._drain_rings)
+
+    def _rings_busy(self) -> None:
+        """A ring had words: drain at the interval again, from now on."""
+        self._ring_wait = self.ring_interval
+        timer = self._ring_timer
+        if timer is not None and timer.when() > asyncio.get_running_loop().time() + self.ring_interval:
+            timer.cancel()
+            self._ring_timer = None
+        self._arm_ring_timer()
 
     def _drain_rings(self) -> None:
+        """The timer's pass over every ring. A pass that finds them all
+        empty doubles the wait before the next one, up to
+        hintring.IDLE_INTERVAL_MAX (never below the interval); one that
+        finds a word drains at the interval again."""
         self._ring_timer = None
+        self.ring_passes += 1
+        found = False
         for peer, ring in list(self.rings.items()):
+            before = ring.consumed
             try:
                 self._drain_ring(peer, ring)
             except Exception:  # one client's ring never stops the others'
                 log.exception("draining the hint ring of pid %s", peer.pid)
+            found = found or ring.consumed != before
+        base = self.ring_interval
+        self._ring_wait = base if found else max(base, min(2 * self._ring_wait, hintring.IDLE_INTERVAL_MAX))
         self._arm_ring_timer()
 
     def close_rings(self) -> None:

@@ -13,6 +13,8 @@ is not refused) and a workload process that
   MAP_NORESERVE), touching one byte every --touch-every bytes (default one
   4 KiB page per 64 MiB: a pool the engine has reserved but barely used);
 * registers them itself, in --block blocks (default 2 MiB);
+* with --open-ring, opens its connection's hint ring at once (as an engine
+  that hints between idle spells keeps it open), else at its first hint;
 * hints at the cell's rate: every 50 ms, rate/20 random blocks of the
   regions in turn (at most 16 regions per round, so a round is at most 16
   messages), with the client library's own batching.
@@ -171,6 +173,9 @@ def child(a: argparse.Namespace) -> int:
         np.frombuffer(m, dtype=np.uint8)[:: a.touch_every] = 1
         bufs.append(m)
         regions.append(c.register(m, block_size=block, name=f"scale{i}"))
+    if a.open_ring and regions:
+        # as an engine between requests: its ring open, nothing written
+        regions[0].hint_set()
     print(json.dumps({"ready": True, "blocks": sum(r.nblocks for r in regions),
                       "regions": [r.id for r in regions]}), flush=True)
     rng = np.random.default_rng(7)
@@ -266,7 +271,8 @@ def run_cell(a: argparse.Namespace, total: int, nregions: int, rate: int) -> dic
             w = subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), "--child", "--socket", sock, "--total", str(total),
                  "--nregions", str(nregions), "--block", str(a.block), "--touch-every", str(a.touch_every),
-                 "--rate", str(rate)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                 "--rate", str(rate)] + (["--open-ring"] if a.open_ring else []),
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             if not json.loads(w.stdout.readline() or "{}").get("probe"):
                 raise SystemExit("workload did not start")
             time.sleep(3.0)  # a few ticks: the measuring and collecting workers have run a job
@@ -316,6 +322,11 @@ def run_cell(a: argparse.Namespace, total: int, nregions: int, rate: int) -> dic
                 "measure_s_per_pass": (meas / wall) * pass_s if pass_s else None, "pass_s": pass_s,
                 "rss_bytes": rss1, "rss_fixed_bytes": rss0, "rss_per_block": (rss1 - rss0) / blocks,
                 "hints_applied": s1["block_hints_total"] - s0["block_hints_total"],
+                # swap turned on or off, a node on- or offlined (by other users of
+                # the host) while the cell ran: the daemon then re-measures every
+                # block in full, so the cell measured that, not its workload
+                "topology_events": sum(s1.get("topology_events", {}).values())
+                - sum(s0.get("topology_events", {}).values()),
             }
             res["scrape_ms"], res["scrape_bytes"] = scrape_ms(port)
             if rate == 0 and a.ingest:
@@ -370,6 +381,8 @@ def main() -> int:
     ap.add_argument("--ingest", type=int, default=10_000_000, help="block hints in the ingestion test (0: skip)")
     ap.add_argument("--daemon-path", help="source tree whose daemon/ to run (e.g. an export of main)")
     ap.add_argument("--daemon-config", default="", help="extra TOML appended to the daemon's config")
+    ap.add_argument("--open-ring", action="store_true",
+                    help="the workload opens its hint ring even when it hints nothing (idle cells)")
     ap.add_argument("--json")
     # the workload process
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -387,11 +400,12 @@ def main() -> int:
                  for h in a.rates.split(",")]
     print(f"# {machine()}; load average {os.getloadavg()[0]:.2f}; daemon from "
           f"{a.daemon_path or 'this tree'}; {a.warmup:g} s warm-up, {a.seconds:g} s measured per cell; "
-          f"block {fmt_size(a.block)}, one page touched per {fmt_size(a.touch_every)}")
+          f"block {fmt_size(a.block)}, one page touched per {fmt_size(a.touch_every)}"
+          f"{'; hint ring open in idle cells' if a.open_ring else ''}")
     print("| registered | regions | blocks | hinted/s | load | daemon CPU % | kdamond % | tick p50 / p99 ms "
           "| tick CPU p50 / p99 ms | skipped | measure s/s | measure s/pass | fixed RSS MiB | RSS B/block "
-          "| scrape ms | ingest M/s (wall, per CPU-s) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+          "| scrape ms | ingest M/s (wall, per CPU-s) | topology changes |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     results = []
     for total, nregions, rate in cells:
         r = run_cell(a, total, nregions, rate)
@@ -403,7 +417,7 @@ def main() -> int:
               f"{r['daemon_cpu_pct']:.1f} | {r['kdamond_cpu_pct']:.1f} | "
               f"{r['tick_p50_ms']:.1f} / {r['tick_p99_ms']:.1f} | {r['tick_cpu_p50_ms']:.1f} / {r['tick_cpu_p99_ms']:.1f} | "
               f"{r['ticks_skipped_busy']} | {r['measure_s_per_s']:.3f} | {'' if mp is None else f'{mp:.2f}'} | "
-              f"{r['rss_fixed_bytes'] / (1 << 20):.1f} | {r['rss_per_block']:.0f} | {r['scrape_ms']:.1f} | {ing_s} |",
+              f"{r['rss_fixed_bytes'] / (1 << 20):.1f} | {r['rss_per_block']:.0f} | {r['scrape_ms']:.1f} | {ing_s} | {r['topology_events']} |",
               flush=True)
     slopes = rss_slopes(results)
     if slopes:
