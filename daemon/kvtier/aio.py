@@ -283,11 +283,8 @@ class AsyncClient:
         self._waiting[req.id] = (req.__struct_config__.tag, fut)
         self._writer.write(protocol.encode_request(req))
 
-    def _ready_ring(self) -> None:
-        """Region.hint_set asks for the ring early; there is none here."""
-
     def _ring_put(self, word: int, packed: bytes, checked: bool = False) -> bool:
-        """Region.flush asks for the hint ring first; the asyncio client has
+        """Region._send tries the hint ring first; the asyncio client has
         none (kvtier.client.Client's ``hint_ring``), so every batch goes to
         ``_send_hint``: written on the socket at once, its answer collected
         by the reader task."""

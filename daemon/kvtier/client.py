@@ -13,8 +13,8 @@
 
 Blocking I/O on one socket for calls, no background thread (an inference
 engine's process should not grow threads behind its back). Hints never
-block the engine: ``hint`` appends to a batch. By default the first batch
-of a connection asks for a shared-memory hint ring (op ``hint_ring``,
+block the engine: ``hint`` appends to a batch. By default registering a
+region asks for the connection's shared-memory hint ring (op ``hint_ring``,
 kvtier.hintring), and batches without counts are then one copy into memory
 the daemon drains, no system call (``Client(hint_ring=False)`` turns that
 off; rejected hints surface in ``flush()``). Otherwise, and for batches
@@ -517,10 +517,9 @@ class Region:
     def hint_set(self, blocks: Iterable[int] | np.ndarray = ()) -> "HintSet":
         """The blocks one step of the engine reads, declared once: then
         ``touch()`` per step instead of ``hint(blocks)`` (see HintSet).
-        Asks for the connection's hint ring now if it is still to be asked
-        for (one round trip), so no touch waits for it."""
+        No round trip: the connection's hint ring was asked for when the
+        region was registered."""
         hs = HintSet(self, blocks)
-        self.client._ready_ring()
         self._hint_sets.add(hs)
         return hs
 
@@ -876,15 +875,19 @@ class Client:
         self.async_errors: list[KvtierClientError] = []  # answers to pipelined hints
         self.reconnects = 0
         self.connected_once = False  # reconnect_timeout applies only after a connection existed
-        # The shared-memory hint ring (kvtier.hintring), asked for at the
-        # first hint of each connection if ``hint_ring`` and the daemon has
-        # the op; hints without counts go there, the rest (and those that do
-        # not fit in a full ring) on the socket. ``hint_ring_entries``: the
+        # The shared-memory hint ring (kvtier.hintring), asked for once per
+        # connection if ``hint_ring`` and the daemon has the op: when a
+        # region is registered (or a connection made with regions held), so
+        # the round trip is paid there and never in the hint path (in the
+        # TCG guest it was a third of the hint calls' time: docs/benchmarks.md,
+        # "Hint sets"); a connection whose ask failed hints on the socket.
+        # Hints without counts go there, the rest (and those that do not
+        # fit in a full ring) on the socket. ``hint_ring_entries``: the
         # size asked for (0: the daemon's limits.hint_ring_entries).
         self.use_ring = hint_ring
         self.hint_ring_entries = hint_ring_entries
         self.ring: hintring.ClientRing | None = None
-        self._ring_wanted = False  # ask at the next hint (set per connection)
+        self._ring_wanted = False  # to be asked for on this connection (at the next register)
         self.ring_error: KvtierClientError | None = None  # why the last ask failed
         self._ring_synced = 0  # ring head the daemon's counters were last read at
         self._ring_counts: dict = {}  # those counters
@@ -921,6 +924,8 @@ class Client:
         for r in list(self._regions.values()):
             if isinstance(r, EngineRegion) and not r.closed:
                 self._call_once(protocol.Attach(region=r.id, tiers=r.tiers.astype(protocol.TIERS_DTYPE).tobytes()))
+        if self._regions:  # a reconnect: the hints of the regions held go to the new ring
+            self._ready_ring()
 
     def _reconnect(self) -> None:
         self.close_socket(salvage=True)
@@ -1004,17 +1009,13 @@ class Client:
             self._open_ring()
 
     def _ring_put(self, word: int, packed: bytes, checked: bool = False) -> bool:
-        """A region's batch of packed block indices into the ring (asked
-        for at the first batch of a connection); False: no ring, no room, or
+        """A region's batch of packed block indices into the ring (never
+        asked for here: registering did); False: no ring, no room, or
         an index >= 2**31 (it would read as a region word there; the socket
         refuses such a batch with an error)."""
         ring = self.ring
         if ring is None:
-            if not self._ring_wanted:
-                return False
-            ring = self._open_ring()
-            if ring is None:
-                return False
+            return False
         if not packed or not checked and \
                 int(np.frombuffer(packed, dtype=protocol.BLOCKS_DTYPE).max()) >= hintring.REGION_BIT:
             return False
@@ -1337,6 +1338,7 @@ class Client:
         ))
         region = Region(self, info, addr, length, keep)
         self._regions[region.id] = region
+        self._ready_ring()
         return region
 
     def allocate(
@@ -1369,6 +1371,7 @@ class Client:
                                      constraints=constraints))
         region = self._regions[info["region"]] = Region(self, info, mem.addr, mem.length, mem)
         region.memory = mem
+        self._ready_ring()
         try:
             mem.place(info["node"], pinned, populate)
         except BaseException:
@@ -1401,6 +1404,7 @@ class Client:
         region = EngineRegion(self, info, t.copy(), on_move)
         self._regions[region.id] = region
         self._engine += 1
+        self._ready_ring()
         return region
 
     def poll(self) -> int:

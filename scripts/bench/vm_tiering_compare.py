@@ -476,8 +476,9 @@ def run_mode(mode: str, seconds: float, log_level: str = "info", sample_s: float
 
 def call_spread(calls_s: list[float], declare_s: list[float]) -> dict:
     """Where the workload's time in hint calls went: the first call (it
-    opens the connection's hint ring: a round trip to kvtierd), the set's
-    declarations, the slowest 1 % of the rest, and the rest's median."""
+    sends at once; until registering asked for the hint ring it also paid
+    that round trip), the set's declarations, the slowest 1 % of the rest,
+    and the rest's median."""
     c = np.asarray(calls_s)
     rest = np.sort(c[1:])
     top = rest[-max(1, rest.size // 100):] if rest.size else rest

@@ -58,7 +58,7 @@ def test_ring_hints_reach_the_block_table_before_the_next_request(slow_drain):
             region.hint(hot)
         region.hint(np.array([[7, 8]], dtype=np.uint32))  # any shape: C order
         region.hint([9, 9])  # not an uint32 array: converted, still the ring
-        assert c.ring is not None, c.ring_error  # made for the first batch (the first hint leaves at once)
+        assert c.ring is not None, c.ring_error  # asked for at register
         assert daemon_rings(d) == 1
         # flush puts the batch in the ring and asks the daemon (hint_ring, a
         # request of this connection) for its counters: drained before that.
@@ -79,6 +79,47 @@ def test_ring_hints_reach_the_block_table_before_the_next_request(slow_drain):
         assert (temps(c, region.id)[[10, 11]] == 0).all()
         assert c.flush() == []
         region.unregister()
+
+
+def test_the_ring_is_asked_for_at_register_not_in_the_hint_path(workdir):
+    """The round trip for the ring is registering's, so the engine's first
+    hint costs what the others do: after ``register`` the ring is there,
+    and hints, a hint set and its touches send no request at all until
+    ``flush`` (the daemon's per-op request counters, this client alone on
+    it). After a daemon restart the reconnect asks again for the regions
+    held, and their hints go into the new ring."""
+    d = DaemonProc(workdir, args=("--set", "hotness.end_of_run=0")).start()
+    try:
+        buf = pool(8 << 20)
+        with d.client(reconnect_timeout=30) as c:
+            region = c.register(buf, block_size=1 << 20)
+            assert c.ring is not None, c.ring_error
+            assert daemon_rings(d) == 1
+            before = c.stats()["requests"]
+            assert before["register"] == 1 and before["hint_ring"] == 1
+            region.hint(np.array([1, 2], dtype=np.uint32))  # the first batch leaves at once
+            hs = region.hint_set([3, 4])
+            for _ in range(5):
+                hs.touch()
+                region.hint(np.array([1, 2], dtype=np.uint32))
+            hs.flush()
+            after = c.stats()["requests"]
+            assert after == {**before, "stats": before["stats"] + 1}  # nothing but this stats call
+            assert c.flush() == []
+            st = c.stats()
+            assert st["hint_ring_entries"] == {"accepted": 2 * 6 + 2 * 5} and "hint" not in st["requests"]
+            d.stop()
+            d.start()
+            assert region.query().size == 8  # reconnects (the region re-adopted), asks for a ring
+            assert c.reconnects == 1 and c.ring is not None, c.ring_error
+            assert c.stats()["requests"]["hint_ring"] == 1
+            region.hint(np.array([5], dtype=np.uint32))
+            assert c.flush() == []
+            st = c.stats()
+            assert st["hint_ring_entries"] == {"accepted": 1} and "hint" not in st["requests"]
+    finally:
+        assert d.stop() == 0
+        assert "Traceback" not in d.read_log(), d.read_log()
 
 
 def test_hinted_blocks_are_measured_and_kept_in_dram(workdir):
