@@ -21,11 +21,13 @@ which a move inside the tick breaks; `taken` is what the prefetch is for.
 
     .venv/bin/python scripts/bench/policy_misses.py --trace synthetic --model llama-3-8b --frac 0.1 --requests 1500
     .venv/bin/python scripts/bench/policy_misses.py --preset chat --policies kvtier,lru
+    .venv/bin/python scripts/bench/policy_misses.py --trace tests/data/bailian/small.jsonl --model qwen2-7b --frac 0.1
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import numpy as np
 
@@ -108,7 +110,10 @@ def instrumented(pol):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trace", choices=sorted(TRACES))
+    ap.add_argument("--trace", metavar="NAME|PATH",
+                    help=f"request trace: {', '.join(sorted(TRACES))} (the in-repo Mooncake traces) or a .jsonl path "
+                         "(Mooncake or Qwen-Bailian, as kvtier-sim reads it)")
+    ap.add_argument("--block-tokens", type=int, help="tokens per hash id (default: the format's)")
     ap.add_argument("--preset", choices=("chat", "rag", "bursty"))
     ap.add_argument("--model", default="llama-3-8b")
     ap.add_argument("--frac", type=float, default=0.25, help="DRAM share of the footprint (request traces)")
@@ -120,7 +125,10 @@ def main() -> None:
         peak = peak_live_bytes(src) / GIB
         cfg = SimConfig().with_capacities([peak * PRESET_DRAM_FRAC, peak * 4.0])
     else:
-        src = RequestTrace(TRACES[args.trace or "conversation"], model=args.model, limit=args.requests)
+        path = TRACES.get(args.trace or "conversation") or Path(args.trace)
+        if not path.is_file():
+            ap.error(f"--trace {args.trace}: neither {' nor '.join(sorted(TRACES))} nor a file")
+        src = RequestTrace(path, model=args.model, block_tokens=args.block_tokens, limit=args.requests)
         dram = int(src.footprint_blocks * args.frac)
         cfg = SimConfig().with_capacities([dram * src.block_bytes / GIB, (src.nblocks - dram) * src.block_bytes / GIB])
     print("| policy | DRAM hit | " + " | ".join(CLASSES) + " | GiB moved | promotions | of them ping-pong |")

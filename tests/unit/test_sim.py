@@ -514,3 +514,69 @@ def test_cli_kvtier_prefetch_option(tmp_path, capsys):
         assert doc["kvtier_settings"]["prefetch"] is (flag == "on")
         hits[flag] = doc["results"][0]["hit_ratio"][0]
     assert hits["on"] > hits["off"]
+
+
+def _short_resident_and_two_long_new_blocks():
+    """DRAM holds 2 and moves 2 blocks a tick. R and F fill it at t=0 (F is
+    read once, then never); X and Y come at t=1 and are read twice a tick
+    for ten ticks, R once a tick for three more. Every tick from 1 to 3
+    reads three blocks, so at least one read a tick misses: the optimum,
+    42 of 45, demotes F and R after tick 0 so that X and Y both land in
+    DRAM, and loses R's three reads."""
+    R, F, X, Y = range(4)
+    ev = [(0.0, R, OP_ALLOC, 0), (0.0, F, OP_ALLOC, 0), (0.5, F, OP_ACCESS, 1), (0.5, R, OP_ACCESS, 1),
+          (1.0, X, OP_ALLOC, 0), (1.0, Y, OP_ALLOC, 0)]
+    ev += [(t + 0.5, R, OP_ACCESS, 1) for t in range(1, 4)]
+    ev += [(t + 0.5, b, OP_ACCESS, 2) for t in range(1, 11) for b in (X, Y)]
+    return mk(sorted(ev)), tiers_cfg(2, migrate_gbps=2.5 * BS / 1e9)
+
+
+def test_feasible_oracle_weighs_reads_over_a_horizon_not_the_next_read():
+    from kvtier.sim.oracles import HorizonPlanner, NextUsePlanner
+
+    tr, cfg = _short_resident_and_two_long_new_blocks()
+    # R is read in the next tick like X and Y, so next-use time keeps it, Y
+    # lands on CXL and goes up only once R ends: 41
+    assert simulate(tr, cfg, NextUsePlanner()).served == [41.0, 4.0]
+    assert simulate(tr, cfg, HorizonPlanner()).served == [42.0, 3.0]
+    oracle = FeasibleOracle()
+    assert simulate(tr, cfg, oracle).served == [42.0, 3.0]
+    assert oracle.tried == {"horizon": 42 / 45, "next-use": 41 / 45}
+
+
+def test_feasible_oracle_is_the_better_of_its_planners_on_the_bad_old_cases():
+    from kvtier.sim.oracles import HorizonPlanner, NextUsePlanner
+
+    # with a fast migrator the horizon planner alone finds the hand-worked
+    # optimum (23); with one move a tick it cuts the exchange after the
+    # demotion and gets 12 where the next-use planner gets the optimum, 13:
+    # the oracle takes the better
+    assert simulate(oracle_trace(), tiers_cfg(2), HorizonPlanner()).served == [23.0, 1.0]
+    one_move = 1.5 * BS / 1e9
+    oracle = FeasibleOracle()
+    assert simulate(oracle_trace(), tiers_cfg(2, migrate_gbps=one_move), oracle).served == [13.0, 11.0]
+    assert oracle.tried == {"horizon": 12 / 24, "next-use": 13 / 24}
+    tr = small_trace()
+    cfg = tiers_cfg(120, 4096)
+    oracle = FeasibleOracle()
+    hit = simulate(tr, cfg, oracle).fast_hit
+    assert hit == max(oracle.tried.values())
+    assert hit == simulate(tr, cfg, max((HorizonPlanner(), NextUsePlanner()), key=lambda p: oracle.tried[p.name])).fast_hit
+
+
+@pytest.mark.parametrize("frac", [0.1, 0.25])
+def test_feasible_oracle_beats_lru_and_kvtier_on_a_bailian_trace(frac):
+    # tests/data/bailian/small.jsonl: 150 requests at 2/s, 20-200 new 16-token
+    # blocks each, half the turns extending an earlier chat (gen_bailian.py
+    # --requests 150 --seed 7). The next-use oracle alone fell below kvtier on
+    # such traces (0.949 against 0.986 at 25 %, 400 requests).
+    from pathlib import Path
+
+    from kvtier.sim.requests import RequestTrace
+
+    tr = RequestTrace(Path(__file__).resolve().parents[1] / "data" / "bailian" / "small.jsonl", model="qwen2-7b")
+    dram = int(tr.footprint_blocks * frac)
+    cfg = SimConfig().with_capacities([dram * tr.block_bytes / GIB, (tr.nblocks - dram) * tr.block_bytes / GIB])
+    oracle = simulate(tr, cfg, FeasibleOracle()).fast_hit
+    assert oracle >= simulate(tr, cfg, LRU()).fast_hit
+    assert oracle >= simulate(tr, cfg, Kvtier()).fast_hit
