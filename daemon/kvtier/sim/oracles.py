@@ -133,9 +133,9 @@ class HorizonPlanner(SimPolicy):
         self.lo = 0
         self.window = self.windows[self.horizon]
         self.life = np.full(eng.n, -1, np.int64)  # each block's lifetime now
-        self.next_reads = np.zeros(eng.n)  # scratch: reads in the next tick, by block
-        # allocations per tick, cumulated: the next ticks' count in one subtraction
-        self.alloc_cum = np.concatenate([[0], np.cumsum([t.alloc.size for t in eng.future])])
+        # every allocation's lifetime in tick order, and where each tick's start
+        self.alloc_flat = np.concatenate(self.alloc_life) if self.alloc_life else np.zeros(0, np.int64)
+        self.alloc_cum = np.concatenate([[0], np.cumsum([t.alloc.size for t in eng.future])]).astype(np.int64)
 
     def place(self, rows):
         self.life[rows] = self.alloc_life[self.eng.k]
@@ -206,8 +206,7 @@ class HorizonPlanner(SimPolicy):
             deficit = int(max(0, (np.cumsum(per) - budget * np.arange(1, nfut + 1)).max()))
         else:
             deficit = 0
-        later = (np.concatenate([self.alloc_life[j] for j in range(k + 2, k + 2 + nfut)])[:deficit]
-                 if deficit else np.zeros(0, np.int64))
+        later = self.alloc_flat[self.alloc_cum[k + 2] : self.alloc_cum[k + 2] + deficit] if deficit else self.alloc_flat[:0]
         wh = self.window
         scale = 1.0 + max(wh[lr].max(initial=0.0), wh[ls].max(initial=0.0), wh[la].max(initial=0.0))
 
