@@ -801,3 +801,56 @@ def test_all_cold_blocks_go_early_while_allocations_outrun_the_migrator_and_in_i
     assert cold_moves(1000, 1.0, 8.0) == [0, 1, 2]  # a lull: (8 - 4) x 900 s > 991 blocks free
     assert cold_moves(1000, 1.0, 3.0) == []  # a lull on a calm mean
     assert cold_moves(10000, 1.0, 8.0) == []  # 9,991 free: more than the horizon's excess
+
+
+def _read_steadily(t, temp, rows, until):
+    """Rows read once a second up to ``until``, decayed each tick as the daemon does."""
+    for sec in range(until):
+        temp.add(t, rows, 1.0, float(sec))
+        temp.decay(t, float(sec + 1))
+
+
+def _dram_over_by_a_block_just_written():
+    """DRAM one block over its target: ten blocks read once a second for
+    half a minute, and a block written at 29.9 s (a decode step just opened
+    it; every following step reads it), decayed to the 30 s tick."""
+    t = make_table(11, tier=0)
+    temp = Temperature(5.0)
+    _read_steadily(t, temp, np.arange(10), 29)
+    temp.add(t, np.array([10]), 1.0, 29.9)
+    temp.decay(t, 30.0)
+    return cfg(high_wm=1.0, low_wm=0.8), t, temp
+
+
+def test_a_block_just_written_is_not_the_one_demoted():
+    # Ranked by its one write (rate estimate 2.5 per tau) the new block is
+    # the coldest; its run has only just started, so a steady block goes.
+    c, t, _ = _dram_over_by_a_block_just_written()
+    p, _ = plan(t.snapshot(), tiers(10), c, PolicyState(), 30.0)
+    assert p.demote_bytes == BS
+    assert 10 not in p.rows.tolist()
+    assert "plan: stay (starting)" in explain(t.snapshot(), 10, tiers(10), c, PolicyState(), 30.0)
+
+
+def test_a_block_written_and_not_read_again_goes_once_its_run_has_counted():
+    # The same block with no read after its write: a tick later its run is
+    # over half a tau old and its estimate (one read) is its rate: the coldest.
+    c, t, temp = _dram_over_by_a_block_just_written()
+    temp.add(t, np.arange(10), 1.0, 30.5)
+    temp.decay(t, 31.0)
+    p, _ = plan(t.snapshot(), tiers(10), c, PolicyState(), 31.0)
+    assert p.rows.tolist() == [10] and p.reason.tolist() == [R_OVERFLOW]
+
+
+def test_a_block_just_written_in_a_slower_tier_is_still_promoted():
+    # The protection is against demotion only: a new block that landed on
+    # CXL (DRAM was full at its first touch) goes up as soon as it is hot.
+    c = cfg(high_wm=1.0, low_wm=0.8)
+    t = make_table(10, tier=0)
+    temp = Temperature(5.0)
+    t.tier[9] = 1
+    _read_steadily(t, temp, np.arange(9), 29)
+    temp.add(t, np.array([9]), 3.0, 29.9)
+    temp.decay(t, 30.0)
+    p, _ = plan(t.snapshot(), tiers(10), c, PolicyState(), 30.0)
+    assert p.rows.tolist() == [9] and p.dst.tolist() == [0]
