@@ -65,6 +65,10 @@ MODES = ("kvtier", "numa_balancing", "none")
 # numa_balancing values: 0 off, 2 NUMA_BALANCING_MEMORY_TIERING (promote hot
 # pages from lower memory tiers, demote through kswapd).
 MODE_NUMA_BALANCING = {"kvtier": "0", "numa_balancing": "2", "none": "0"}
+# Demotion in reclaim (kswapd moving cold pages to a lower tier) is the
+# kernel's tiering too: on for numa_balancing, the boot's value otherwise
+# (the baseline after numa_balancing ran with it on).
+MODE_DEMOTION = {"numa_balancing": "1"}
 
 
 def demo_config(sock: Path, state: Path, budgets: dict[int, int], order: list | None = None) -> str:
@@ -157,42 +161,66 @@ def node_free_bytes(node: int) -> int:
     raise RuntimeError(f"node {node}: no MemFree in meminfo")
 
 
-def node_reserve_bytes(node: int, zoneinfo: str = "/proc/zoneinfo") -> int:
-    """The node's high watermarks summed over its zones: memory kswapd keeps
-    free, which the pool cannot have in any mode (0 if not found)."""
-    pages, here = 0, False
+def node_watermarks(node: int, zoneinfo: str = "/proc/zoneinfo") -> dict[str, int]:
+    """The node's min, low and high watermarks, each summed over its zones, in bytes."""
+    pages, here = {"min": 0, "low": 0, "high": 0}, False
     for line in Path(zoneinfo).read_text().splitlines():
         f = line.split()
         if line.startswith("Node "):
             here = f[1].rstrip(",") == str(node)
-        elif here and len(f) == 2 and f[0] == "high":
-            pages += int(f[1])
-    return pages * mmap.PAGESIZE
+        elif here and len(f) == 2 and f[0] in pages:
+            pages[f[0]] += int(f[1])
+    return {k: v * mmap.PAGESIZE for k, v in pages.items()}
+
+
+def node_reserve_bytes(node: int, zoneinfo: str = "/proc/zoneinfo") -> int:
+    """The node's high watermarks summed over its zones: memory kswapd keeps
+    free, which the pool cannot have in any mode (0 if not found)."""
+    return node_watermarks(node, zoneinfo)["high"]
+
+
+# DramHog: free memory beyond ``keep`` it leaves, and how often it grows to get there.
+HOG_TOLERANCE = 2 * MIB
+HOG_ROUNDS = 8
 
 
 class DramHog:
-    """Locked memory bound to one node: leaves exactly ``keep`` bytes free
-    there, so every mode competes for the same scarce DRAM. Locked pages are
-    unevictable, so the kernel's tiering cannot demote the hog to make room."""
+    """Locked memory bound to one node: leaves ``keep`` bytes free there
+    (within ``HOG_TOLERANCE``), so every mode competes for the same scarce
+    DRAM. Locked pages are unevictable, so the kernel's tiering cannot demote
+    the hog to make room.
+
+    Faulting the hog in makes the kernel reclaim (page cache, slab) as it
+    goes, so one allocation sized by MemFree left 151-179 MiB free where 149
+    was asked, a different amount per mode: the hog grows by what is still
+    free beyond ``keep`` until it is within the tolerance (``HOG_ROUNDS``)."""
 
     def __init__(self, node: int, keep: int):
+        self.node, self.keep = node, keep
+        self.bufs: list[mmap.mmap] = []
+        self.size = 0
+        for _ in range(HOG_ROUNDS):
+            extra = (node_free_bytes(node) - keep) // mmap.PAGESIZE * mmap.PAGESIZE
+            if extra <= HOG_TOLERANCE:
+                break
+            self._grow(extra)
+
+    def _grow(self, size: int) -> None:
         from kvtier.kernel import native
 
-        self.size = max(0, node_free_bytes(node) - keep) // mmap.PAGESIZE * mmap.PAGESIZE
-        self.buf = None
-        if self.size == 0:
-            return
-        self.buf = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        addr = ctypes.addressof(ctypes.c_char.from_buffer(self.buf))
-        native.mbind(addr, self.size, native.MPOL_BIND, [node])
+        buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.bufs.append(buf)
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+        native.mbind(addr, size, native.MPOL_BIND, [self.node])
         libc = ctypes.CDLL(None, use_errno=True)
-        if libc.mlock(ctypes.c_void_p(addr), ctypes.c_size_t(self.size)) != 0:
+        if libc.mlock(ctypes.c_void_p(addr), ctypes.c_size_t(size)) != 0:
             raise OSError(ctypes.get_errno(), "mlock of the DRAM hog")  # mlock also faults every page in
+        self.size += size
 
     def close(self) -> None:
-        if self.buf is not None:
-            self.buf.close()
-            self.buf = None
+        for buf in self.bufs:
+            buf.close()
+        self.bufs.clear()
 
 
 def write_knob(path: str, value: str) -> str | None:
@@ -285,12 +313,13 @@ def main(argv: list[str] | None = None) -> int:
     # The pool starts in the slowest RAM-backed memory tier (far rather than
     # CXL: see --cxl-mib), on its first node.
     start_name, start_nodes, _ = ([t for t in mem_tiers[1:] if t[2] == "far"] or mem_tiers[1:])[-1]
-    plan = Plan(a, tee, mem_tiers, override, pin_cpus, budgets, start_name, start_nodes[0], slow_nodes, in_vm)
+    old_demotion = Path(DEMOTION_ENABLED).read_text().strip() if Path(DEMOTION_ENABLED).exists() else None
+    plan = Plan(a, tee, mem_tiers, override, pin_cpus, budgets, start_name, start_nodes[0], slow_nodes, in_vm,
+                old_demotion)
     if in_vm:
         # The guest's init leaves loopback down; the metrics exporter listens on it.
         subprocess.run(["ip", "link", "set", "lo", "up"], check=False)
     old_nb = Path(NUMA_BALANCING).read_text().strip() if Path(NUMA_BALANCING).exists() else None
-    old_demotion = Path(DEMOTION_ENABLED).read_text().strip() if Path(DEMOTION_ENABLED).exists() else None
     rcs = {}
     try:
         for mode in modes:
@@ -320,6 +349,7 @@ class Plan:
     start_node: int
     slow_nodes: list[int]
     in_vm: bool
+    demotion_default: str | None = None  # demotion_enabled as the boot had it
     tiers: list[dict] | None = None  # the daemon's tier list, once a kvtier run has seen it
 
 
@@ -341,10 +371,11 @@ def run_mode(plan: Plan, mode: str, out: Path) -> int:
     for stale in ("timeline.jsonl", "summary.json", "metrics.txt", "kvtierd.log", "run.json"):
         (out / stale).unlink(missing_ok=True)
     write_knob(NUMA_BALANCING, MODE_NUMA_BALANCING[mode])
-    if mode == "numa_balancing":
-        write_knob(DEMOTION_ENABLED, "1")
+    demotion = MODE_DEMOTION.get(mode, plan.demotion_default)
+    if demotion is not None:
+        write_knob(DEMOTION_ENABLED, demotion)
     sock, conf = a.run_dir / "kvtierd.sock", a.run_dir / "kvtierd.toml"
-    daemon = logf = hog = None
+    daemon = logf = hog = free_at_go = None
     metrics_url = None
     log = out / "kvtierd.log"
     rc = 1
@@ -384,14 +415,15 @@ def run_mode(plan: Plan, mode: str, out: Path) -> int:
                 # node) are in place: only now is node 0 cut down to the DRAM
                 # the run may use, so the pool gets the same DRAM in every
                 # mode (first-touch placement of new blocks included).
-                # Clean page cache first: the kernel would reclaim it for
-                # the pool's first touches (the baselines' pools reached 134
+                # Clean page cache and reclaimable slab first: the kernel would
+                # reclaim them for the pool's first touches (the baselines' pools reached 134
                 # MiB of DRAM against a 96 MiB target when the hog left it).
                 os.sync()
-                write_knob(DROP_CACHES, "1")
+                write_knob(DROP_CACHES, "3")
                 hog = DramHog(dram_node, a.dram_mib * MIB + slack)
+                free_at_go = node_free_bytes(dram_node)
                 tee.line(f"demo[{mode}]: {a.pool_mib} MiB KV pool starts on node {plan.start_node} "
-                         f"({plan.start_name}); node {dram_node} has {node_free_bytes(dram_node) // MIB} MiB free "
+                         f"({plan.start_name}); node {dram_node} has {free_at_go // MIB} MiB free "
                          f"(DRAM target {a.dram_mib} MiB); numa_balancing={MODE_NUMA_BALANCING[mode]}; "
                          f"{a.duration:.0f} s of sessions")
                 wl.stdin.write("go\n")
@@ -409,7 +441,8 @@ def run_mode(plan: Plan, mode: str, out: Path) -> int:
         meta = {"mode": mode, "tiers": tiers, "budgets": {str(k): v for k, v in plan.budgets.items()},
                 "slow_nodes": plan.slow_nodes, "duration_s": a.duration, "pool_mib": a.pool_mib,
                 "dram_free_mib": (a.dram_mib * MIB + slack) // MIB, "numa_balancing": MODE_NUMA_BALANCING[mode],
-                "in_vm": plan.in_vm, "workload_rc": rc}
+                "in_vm": plan.in_vm, "workload_rc": rc, "dram_watermarks": node_watermarks(dram_node),
+                "dram_free_at_start": free_at_go}
         (out / "run.json").write_text(json.dumps(meta, indent=1))
     finally:
         if hog is not None:

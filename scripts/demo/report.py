@@ -271,14 +271,23 @@ def turnover(timeline: list[dict], dram_bytes: int, block_bytes: int, reenter: b
             "window_s": window_s if reenter else None}
 
 
-def mode_row(mode: str, timeline: list[dict], summary: dict) -> dict:
+def mode_row(mode: str, timeline: list[dict], summary: dict, meta: dict | None = None) -> dict:
+    """One mode's figures: DRAM share (first 3 s, whole run, last 30 s),
+    bytes moved, and the DRAM the mode's pool got: node 0's free memory when
+    the workload started (``meta``: the driver's run.json) and the pool's
+    bytes in DRAM, max and mean over the last 30 s."""
     t, res = residency_series(timeline)
     end = float(t[-1]) if len(t) else 0.0
     reads = sum(r["reads"] for r in timeline)
+    dram = runs_dram_name(timeline) if timeline else "dram"
+    pool = np.array([r.get("pool_bytes", {}).get(dram, 0) for r in timeline if r["t"] >= end - 30], dtype=float)
     return {"mode": mode, "first": window_mean(t, res, 0, 3), "last30": window_mean(t, res, max(0.0, end - 30), end + 1),
             "mean": window_mean(t, res, 0, end + 1), "reads": reads,
             "moved": summary.get("kernel_moved_bytes", timeline[-1].get("kernel_moved_bytes", 0) if timeline else 0),
-            "elapsed": summary.get("elapsed_s", end)}
+            "elapsed": summary.get("elapsed_s", end),
+            "dram_free_at_start": (meta or {}).get("dram_free_at_start"),
+            "pool_dram_max": float(pool.max()) if pool.size else None,
+            "pool_dram_mean": float(pool.mean()) if pool.size else None}
 
 
 def plot_comparison(runs: dict[str, list[dict]], path: Path) -> None:
@@ -318,20 +327,27 @@ def comparison_markdown(rows: list[dict], meta: dict) -> list[str]:
         "",
         f"Machine: {'QEMU guest (TCG)' if meta.get('in_vm') else 'this host'}. The same workload (same seed) ran "
         f"once per mode, {meta.get('duration_s', '?'):.0f} s each, its {meta.get('pool_mib', '?')} MiB KV pool "
-        f"starting on the slow node, with {meta.get('dram_free_mib', '?')} MiB of DRAM free in every mode "
-        f"(kvtier's DRAM target: {int(meta['budgets']['0']) // MIB if meta.get('budgets') else '?'} MiB).",
+        f"starting on the slow node; the driver left {meta.get('dram_free_mib', '?')} MiB of DRAM free in every "
+        f"mode (kvtier's DRAM target: {int(meta['budgets']['0']) // MIB if meta.get('budgets') else '?'} MiB, "
+        "plus the kernel's reserve and 4 MiB; measured per mode in the last columns).",
         "",
         "| mode | DRAM share, first 3 s | DRAM share, whole run | DRAM share, last 30 s | bytes moved (kernel counters) "
-        "| turnover requires: bytes (DRAM share) | LRU ideal: bytes (DRAM share) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| turnover requires: bytes (DRAM share) | LRU ideal: bytes (DRAM share) | DRAM free at start "
+        "| pool in DRAM, max / mean of last 30 s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+
+    def mib(x):
+        return "-" if x is None else f"{x / MIB:.0f}"
 
     def ref(x):
         return f"{x['bytes'] / MIB:.0f} MiB ({_pct(x['share'])})" if x else "-"
 
     for r in rows:
         lines.append(f"| {r['mode']} | {_pct(r['first'])} | {_pct(r['mean'])} | {_pct(r['last30'])} | "
-                     f"{r['moved'] / MIB:.0f} MiB | {ref(r.get('turnover'))} | {ref(r.get('lru_ideal'))} |")
+                     f"{r['moved'] / MIB:.0f} MiB | {ref(r.get('turnover'))} | {ref(r.get('lru_ideal'))} | "
+                     f"{mib(r.get('dram_free_at_start'))}{'' if r.get('dram_free_at_start') is None else ' MiB'} | "
+                     f"{mib(r.get('pool_dram_max'))} / {mib(r.get('pool_dram_mean'))} MiB |")
     lines += [""] + verdict(rows) + [
         "",
         "DRAM share: of the block reads in each second, the share whose block the kernel had in DRAM at the",
@@ -396,7 +412,7 @@ def main_modes(a, modes: list[str]) -> int:
         for r in timeline:
             r["dram"] = dram
         runs[mode] = timeline
-        row = mode_row(mode, timeline, summary)
+        row = mode_row(mode, timeline, summary, m)
         if m.get("budgets") and summary.get("block_bytes"):
             dram, block = int(m["budgets"]["0"]), int(summary["block_bytes"])
             row["turnover"] = turnover(timeline, dram, block)

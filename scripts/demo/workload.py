@@ -76,6 +76,27 @@ VMSTAT = "/proc/vmstat"
 MOVED_PAGE_COUNTERS = ("pgmigrate_success", "pswpout", "pswpin")
 
 
+# What node 0 (DRAM) holds besides the pool, per second: which memory the
+# kernel gives the pool beyond what the driver left free.
+NODE_MEMINFO = "/sys/devices/system/node/node{}/meminfo"
+NODE_FIELDS = {"MemFree": "free", "FilePages": "file", "AnonPages": "anon", "Shmem": "shmem",
+               "Unevictable": "unevictable", "SReclaimable": "slab_reclaimable", "SUnreclaim": "slab_unreclaimable"}
+
+
+def node_memory(node: int) -> dict[str, int]:
+    """Bytes of NODE_FIELDS on ``node`` (the node's meminfo; {} if absent)."""
+    out: dict[str, int] = {}
+    try:
+        with open(NODE_MEMINFO.format(node)) as f:
+            for line in f:
+                parts = line.split()  # "Node 0 MemFree: 123 kB"
+                if len(parts) >= 4 and parts[2].rstrip(":") in NODE_FIELDS:
+                    out[NODE_FIELDS[parts[2].rstrip(":")]] = int(parts[3]) * 1024
+    except OSError:
+        pass
+    return out
+
+
 def kernel_moved_pages() -> int:
     with open(VMSTAT) as f:
         counts = dict(line.split() for line in f)
@@ -392,6 +413,8 @@ class Workload:
             "plan_settled_t": (None if engine.get("plan_settled_age_s") is None
                                else round(status_t - engine["plan_settled_age_s"], 3)),
             "kernel_moved_bytes": (kernel_moved_pages() - self.moved_pages0) * PAGE,
+            # the DRAM node's memory (MemFree, FilePages, ... of its meminfo), bytes
+            "dram_node": node_memory(int(tiers[0]["nodes"][0])) if tiers and tiers[0]["nodes"] else {},
             # the workload's ground truth of the second (report.py's turnover reference)
             "read_blocks": np.flatnonzero(reads).tolist(),
             "read_counts": reads[reads > 0].tolist(),
