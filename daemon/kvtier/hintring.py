@@ -184,11 +184,22 @@ class DaemonRing(_Mapped):
 
     def take(self) -> tuple[np.ndarray, np.ndarray]:
         """The hints published since the last take, as (regions, blocks)
-        uint32 arrays decoded from a copy of the shared words (at most
-        ``capacity``), and the tail advanced past them. A head that is not
-        within ``capacity`` of our tail is counted in ``bad_heads`` and
-        nothing is taken; the tail jumps to it, so a client that wrote one
-        bad head carries on from there."""
+        uint32 arrays: ``take_runs`` with each run's region repeated."""
+        regions, lengths, blocks = self.take_runs()
+        return np.repeat(regions, lengths), blocks
+
+    def take_runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The hints published since the last take, decoded from a copy of
+        the shared words (at most ``capacity``), as runs: (region of each
+        run (uint32; 0: none yet), hints in each run (int64), the hints'
+        block indices (uint32) in order); and the tail advanced past them.
+        A run is the hints after one region word (the first run: after the
+        region in force before this take); runs without hints are left
+        out. Work in array operations over the words, plus the region
+        words (one per client batch). A head that is not within
+        ``capacity`` of our tail is counted in ``bad_heads`` and nothing is
+        taken; the tail jumps to it, so a client that wrote one bad head
+        carries on from there."""
         head = self.head[0]  # one load: the client may change it meanwhile
         n = (head - self.consumed) & MASK64
         if n > self.capacity:
@@ -197,14 +208,25 @@ class DaemonRing(_Mapped):
             self.tail[0] = head
             n = 0
         if not n:
-            return np.zeros(0, np.uint32), np.zeros(0, np.uint32)
+            return np.zeros(0, np.uint32), np.zeros(0, np.int64), np.zeros(0, np.uint32)
         words = self.copy_out(self.consumed, n)
         self.consumed = head
         self.tail[0] = head  # after the copy: the client may reuse these slots now
-        regions, is_region = decode(words, self.current)
+        is_hint = words < REGION_BIT
+        at = np.flatnonzero(~is_hint)
+        if not at.size:
+            return np.array([self.current], np.uint32), np.array([n], np.int64), words
+        regions = np.empty(at.size + 1, np.uint32)
+        regions[0] = self.current
+        np.bitwise_and(words[at], REGION_BIT - 1, out=regions[1:])
         self.current = int(regions[-1])
-        hints = ~is_region
-        return regions[hints], words[hints]
+        # hints before the first region word, then after each one up to the next
+        lengths = np.empty(at.size + 1, np.int64)
+        lengths[0] = at[0]
+        lengths[1:-1] = at[1:] - at[:-1] - 1
+        lengths[-1] = n - 1 - at[-1]
+        kept = lengths > 0
+        return regions[kept], lengths[kept], words[is_hint]
 
     def close(self) -> None:
         self.close_fd()

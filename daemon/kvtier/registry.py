@@ -543,6 +543,35 @@ class Registry:
             listed = listed[rows]
             weights = listed if weights is None else weights[rows]
             rows += self.table.slices[region_id].start
+        n = int(blocks.size)
+        self._fold_hints(rows, listed, weights, counts is None, n)
+        if self.recorder is not None:
+            self.recorder.hint(region_id, blocks, counts)
+        self.regions[region_id].block_hints += n
+        return n
+
+    def hint_rows(self, rows: np.ndarray, listed: np.ndarray | None, n: int,
+                  per_region: list[tuple[int, int]]) -> int:
+        """``n`` hints (one read each, no counts) of table rows of several
+        regions at once, folded as ``hint`` folds a message: what a hint
+        ring's drain found, already checked (every row a block of a region
+        the client may hint). ``rows`` lists each hint's row, or with
+        ``listed`` each row once and how often it was hinted.
+        ``per_region``: (region id, hints) for the regions' counters. One
+        pass of array operations for all of them, not one ``hint`` per
+        region."""
+        if not n:
+            return 0
+        self._fold_hints(rows, listed, listed, True, n)
+        for rid, k in per_region:
+            self.regions[rid].block_hints += k
+        return n
+
+    def _fold_hints(self, rows: np.ndarray, listed: np.ndarray | None, weights: np.ndarray | None,
+                    uncounted: bool, n: int) -> None:
+        """``hint``'s work on checked rows: ``n`` listings, or (``listed``)
+        distinct rows each listed that often, ``weights`` their reads (None:
+        one each); ``uncounted``: no counts came with them."""
         # A hinted block not yet seen present may have just been written:
         # F_STALE has the engine measure it. At most once per block a tick:
         # not a block already waiting for it (F_STALE), nor one hinted
@@ -564,15 +593,11 @@ class Registry:
             t.flags[unsure] |= np.uint8(F_STALE)
         self.temperature.add(self.table, rows, 1.0 if weights is None else weights, self.clock(),
                              SOURCE_WEIGHTS["hint"], checked=True)
-        n = int(blocks.size)
-        if self.recorder is not None:
-            self.recorder.hint(region_id, blocks, counts)
-        self.regions[region_id].block_hints += n
         self.stats.block_hints_total += n
         # Where the hinted blocks were when read. A message's blocks mostly
         # sit in one tier: without counts each listing counts one, so that
         # is n there, no bincount.
-        if counts is None and tier.size and int(tier.min()) == int(tier.max()):
+        if uncounted and tier.size and int(tier.min()) == int(tier.max()):
             self.stats.hint_tier_blocks[int(tier[0])] += n
             if tier[0] != 0:
                 self.hints_off_top += n
@@ -586,7 +611,6 @@ class Registry:
             for i in np.flatnonzero(hits):
                 self.stats.hint_tier_blocks[int(i) - 2] += int(hits[i])
         self.on_hinted(rows, unsure)
-        return n
 
     def phase(self, region_id: int, phase: str, blocks: np.ndarray | None) -> int:
         rows = self.rows(region_id, blocks)

@@ -41,7 +41,7 @@ from kvtier.blocks import STUCK_NAMES, TIER_UNKNOWN, row_select
 from kvtier.kernel import affinity, native, procfs
 from kvtier.errors import KvtierError, KvtierOSError, PermissionDenied, ProcessGone, os_error
 from kvtier.engine import Engine
-from kvtier.registry import Region, Registry
+from kvtier.registry import PER_BLOCK_MIN, PER_BLOCK_SPAN, Region, Registry
 from kvtier.stats import DaemonStats
 
 log = logging.getLogger("kvtier.server")
@@ -869,45 +869,95 @@ class ControlAPI:
 
     def _drain_ring(self, peer: Peer, ring: hintring.DaemonRing) -> None:
         """Apply what the client published: its hints, copied out of the
-        shared memory and decoded by ``take``, validated as the socket's
-        hint op validates (a region this connection may hint, a block in
-        range), hint by hint: the bad ones are counted and dropped, the
-        rest applied. Work per drain is bounded by the ring's capacity."""
-        regions, blocks = ring.take()
+        shared memory and decoded by ``take_runs``, validated as the
+        socket's hint op validates (a region this connection may hint, a
+        block in range), hint by hint: the bad ones are counted and
+        dropped, the rest applied. Work per drain is bounded by the ring's
+        capacity: array operations over its hints, a dict look-up per
+        distinct region, and one ``Registry.hint_rows`` for all of them."""
+        run_rid, lengths, blocks = ring.take_runs()
         if ring.bad_heads != ring.bad_heads_seen:
             self._count_ring(ring, hintring.BAD_HEAD, ring.bad_heads - ring.bad_heads_seen)
             ring.bad_heads_seen = ring.bad_heads
-        if not regions.size:
+        if not blocks.size:
             return
-        if (regions == regions[0]).all():
-            groups = [(int(regions[0]), blocks)]
+        if run_rid.size <= RING_REGIONS_DIRECT:
+            # a run per client batch: a few dozen at most, cheaper in Python than np.unique
+            named = run_rid.tolist()
+            distinct = sorted(set(named))
+            index_of = {rid: i for i, rid in enumerate(distinct)}
+            ids = np.array(distinct, dtype=np.int64)
+            which = np.array([index_of[rid] for rid in named], dtype=np.intp)
         else:
-            order = np.argsort(regions, kind="stable")
-            regions, blocks = regions[order], blocks[order]
-            cut = np.flatnonzero(regions[1:] != regions[:-1]) + 1
-            if cut.size >= RING_REGIONS_DIRECT:
-                mine = np.fromiter((rid for rid, r in self.registry.regions.items()
-                                    if peer.privileged or r.owner_uid == peer.uid), dtype=np.int64)
-                keep = np.isin(regions, mine)
-                self._count_ring(ring, hintring.BAD_REGION, int(keep.size - np.count_nonzero(keep)))
-                regions, blocks = regions[keep], blocks[keep]
-                if not regions.size:
-                    return
-                cut = np.flatnonzero(regions[1:] != regions[:-1]) + 1
-            bounds = np.concatenate(([0], cut, [regions.size])).tolist()
-            groups = [(int(regions[lo]), blocks[lo:hi]) for lo, hi in zip(bounds, bounds[1:])]
-        for rid, b in groups:
-            reg = self.registry.regions.get(rid)
-            if reg is None or not (peer.privileged or reg.owner_uid == peer.uid):
-                self._count_ring(ring, hintring.BAD_REGION, int(b.size))
+            ids, which = np.unique(run_rid, return_inverse=True)
+        regions = self.registry.regions
+        may = peer.privileged
+        if ids.size >= RING_REGIONS_DIRECT:
+            # a ring naming many regions (made-up ids, maybe) is first
+            # matched against the connection's own, with one isin
+            mine = np.fromiter((rid for rid, r in regions.items() if may or r.owner_uid == peer.uid),
+                               dtype=np.int64)
+            known = np.isin(ids, mine)
+        else:
+            known = np.ones(ids.size, dtype=bool)
+        start = np.zeros(ids.size, dtype=np.int64)
+        nblocks = np.zeros(ids.size, dtype=np.int64)
+        slices = self.registry.table.slices
+        for i in np.flatnonzero(known).tolist():
+            rid = int(ids[i])
+            reg = regions.get(rid)
+            if reg is None or not (may or reg.owner_uid == peer.uid):
+                known[i] = False
                 continue
-            inside = b < reg.nblocks
-            n_in = int(np.count_nonzero(inside))
-            if n_in != b.size:
-                self._count_ring(ring, hintring.BAD_BLOCK, int(b.size) - n_in)
-                b = b[inside]
-            if n_in:
-                self._count_ring(ring, hintring.ACCEPTED, self.registry.hint(rid, b, None))
+            start[i] = slices[rid].start
+            nblocks[i] = reg.nblocks
+        run_ok = known[which]
+        if not run_ok.all():
+            self._count_ring(ring, hintring.BAD_REGION, int(lengths[~run_ok].sum()))
+        # a block in range of its run's region: tested per run first (its
+        # largest index), hint by hint only in the runs that fail it
+        cut = np.cumsum(lengths) - lengths
+        run_nb = nblocks[which]
+        bad_run = run_ok & (np.maximum.reduceat(blocks, cut) >= run_nb)
+        # each hint's block as an index into the drain's regions laid end
+        # to end (``packed``: what the per-block sums count over)
+        packed_at = np.cumsum(nblocks) - nblocks
+        packed = blocks.astype(np.int64)
+        if run_ok.all() and not bad_run.any():
+            packed += np.repeat(packed_at[which], lengths)
+            hinted = np.bincount(which, weights=lengths, minlength=ids.size)
+        else:
+            keep = np.repeat(run_ok, lengths)
+            if bad_run.any():
+                keep &= packed < np.repeat(run_nb, lengths)
+                in_bad = np.repeat(bad_run, lengths)
+                self._count_ring(ring, hintring.BAD_BLOCK,
+                                 int(np.count_nonzero(in_bad) - np.count_nonzero(keep & in_bad)))
+            packed += np.repeat(packed_at[which], lengths)
+            packed = packed[keep]
+            hinted = np.bincount(np.repeat(which, lengths)[keep], minlength=ids.size)
+        if not packed.size:
+            return
+        per_region = [(int(ids[i]), int(hinted[i])) for i in np.flatnonzero(hinted).tolist()]
+        if self.registry.recorder is not None:
+            # a recording keeps the messages region by region, as the socket's
+            for rid, _ in per_region:
+                i = int(np.searchsorted(ids, rid))
+                mine = packed[(packed >= packed_at[i]) & (packed < packed_at[i] + nblocks[i])] - packed_at[i]
+                self._count_ring(ring, hintring.ACCEPTED, self.registry.hint(rid, mine.astype(np.uint32), None))
+            return
+        n = int(packed.size)
+        span = int(nblocks.sum())
+        listed = None
+        if n >= PER_BLOCK_MIN and span <= PER_BLOCK_SPAN * n:
+            # many hints of few blocks (the requests that read them): summed
+            # per block first, so the registry works per block, not per hint
+            listed = np.bincount(packed, minlength=span)
+            packed = np.flatnonzero(listed)
+            listed = listed[packed]
+        i = np.searchsorted(packed_at, packed, side="right") - 1
+        rows = start[i] + (packed - packed_at[i])
+        self._count_ring(ring, hintring.ACCEPTED, self.registry.hint_rows(rows, listed, n, per_region))
 
     def op_phase(self, peer: Peer, req: protocol.Phase) -> Any:
         reg = self._own(peer, req.region)

@@ -134,3 +134,27 @@ def test_the_client_faults_its_words_in_when_it_maps_the_ring():
                                                (1, 65536, hintring.MIN_ENTRIES), (100000, 100000, 65536)])
 def test_capacity_is_a_power_of_two_within_the_limit(asked, limit, got):
     assert hintring.capacity_for(asked, limit) == got
+
+
+def test_runs_are_what_decode_reads_from_the_same_words(ends):
+    """take_runs against decode, the one-pass reference both sides share:
+    random words with region words anywhere (in a row, first, last, none)
+    over many drains, the region in force carried from one to the next."""
+    daemon, client = ends
+    rng = np.random.default_rng(5)
+    current = 0
+    for _ in range(300):
+        k = int(rng.integers(1, client.capacity + 1))
+        words = rng.integers(0, 50, k).astype(np.uint32)
+        region = rng.random(k) < rng.choice([0.0, 0.1, 0.5, 1.0])
+        words[region] |= np.uint32(hintring.REGION_BIT)
+        for w in words.tolist():
+            client.words[client.written & client.mask] = w
+            client.written += 1
+        client.head[0] = client.written
+        want_regions, is_region = hintring.decode(words, current)
+        current = int(want_regions[-1])
+        regions, lengths, blocks = daemon.take_runs()
+        assert lengths.min(initial=1) > 0 and int(lengths.sum()) == blocks.size
+        assert np.repeat(regions, lengths).tolist() == want_regions[~is_region].tolist()
+        assert blocks.tolist() == words[~is_region].tolist()
