@@ -24,6 +24,7 @@ quotes them), not asserted.
 from __future__ import annotations
 
 import json
+import subprocess
 import textwrap
 import time
 from pathlib import Path
@@ -36,7 +37,7 @@ import vmhelpers
 from vmhelpers import CXL_NODE, NODE_DIR, GuestKvtierd, KVChild, block_ranges, parse_list, read
 
 
-pytestmark = pytest.mark.vm
+pytestmark = pytest.mark.vmhotplug
 
 MiB = 1 << 20
 POOL, BLOCK = 8 * MiB, 2 * MiB
@@ -57,7 +58,48 @@ def node_blocks(node: int) -> list[str]:
 
 
 def set_state(block: str, state: str) -> None:
-    (MEMORY / block / "state").write_text(state)
+    write_bounded(MEMORY / block / "state", state)
+
+
+def write_bounded(path: Path, text: str, timeout: float = DEADLINE) -> None:
+    """Write a sysfs file from a child process, bounded: offlining
+    can block in the kernel (a CI run on a loaded host saw the writer and
+    another task in D state for over 600 s, and the whole guest run then
+    timed out with no clue). On timeout the blocked tasks' kernel stacks
+    (sysrq w) go into the failure and the child is left behind; a task in
+    D state cannot be killed, but this test fails with the reason instead of
+    hanging every test after it."""
+    child = subprocess.Popen(["sh", "-c", f"echo {text} > {path}"], stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = child.communicate(timeout=vmhelpers.scaled(timeout))
+    except subprocess.TimeoutExpired:
+        child.kill()
+        raise AssertionError(f"writing {text!r} to {path} did not return in {vmhelpers.scaled(timeout):.0f} s; "
+                             f"blocked tasks:\n{blocked_tasks()}") from None
+    assert child.returncode == 0, f"writing {text!r} to {path}: {err.strip()}"
+
+
+def blocked_tasks() -> str:
+    """The kernel's stacks of every task in D state (sysrq w), from dmesg,
+    and each such task's /proc stack and command line."""
+    out = []
+    for st in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = st.read_text().rsplit(")", 1)[1].split()
+            if fields[0] != "D":
+                continue
+            pid = st.parent.name
+            cmd = (st.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            out.append(f"pid {pid} ({cmd.strip()}):\n{(st.parent / 'stack').read_text()}")
+        except OSError:
+            continue
+    try:
+        Path("/proc/sysrq-trigger").write_text("w")
+        dmesg = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=30).stdout
+        out.append("dmesg after sysrq w:\n" + "\n".join(dmesg.splitlines()[-200:]))
+    except (OSError, subprocess.SubprocessError) as e:
+        out.append(f"(no dmesg: {e})")
+    return "\n".join(out)
 
 
 def node_online(node: int) -> bool:
@@ -69,17 +111,40 @@ def cxl_away() -> None:
         if read(MEMORY / b / "state") != "offline":
             set_state(b, "offline")
     if (KMEM / DAX).exists():
-        (KMEM / "unbind").write_text(DAX)
+        write_bounded(KMEM / "unbind", DAX)
     wait_for(lambda: not node_online(CXL_NODE), "node 2 to go offline")
 
 
 def cxl_back() -> None:
     if not (KMEM / DAX).exists():
-        (KMEM / "bind").write_text(DAX)
+        write_bounded(KMEM / "bind", DAX)
     wait_for(lambda: node_online(CXL_NODE) and node_blocks(CXL_NODE), "node 2 to come back")
     for b in node_blocks(CXL_NODE):
         if read(MEMORY / b / "state") == "offline":
             set_state(b, "online_movable")
+
+
+@pytest.fixture(autouse=True)
+def hung_task_stacks():
+    """For this test, the kernel prints the stack of any task blocked for
+    30 s on the console (the hung-task stacks are KERN_INFO, below the
+    guest's loglevel 4): the console then shows where a wedged offline sits."""
+    files = {Path("/proc/sys/kernel/printk"): "7", Path("/proc/sys/kernel/hung_task_timeout_secs"): "30"}
+    saved = {}
+    for f, v in files.items():
+        try:
+            saved[f] = f.read_text()
+            f.write_text(v)
+        except OSError:
+            pass
+    try:
+        yield
+    finally:
+        for f, v in saved.items():
+            try:
+                f.write_text(v.split()[0] if f.name == "printk" else v)
+            except OSError:
+                pass
 
 
 @pytest.fixture
@@ -141,7 +206,7 @@ def test_cxl_region_comes_and_goes_under_a_running_kvtierd(tmp_path, cxl_removed
 
         # 1. The region comes online: a tier within (measured) seconds.
         t0 = time.monotonic()
-        (KMEM / "bind").write_text(DAX)
+        (KMEM / "bind").write_text(DAX)  # onlining: timed, so written here
         wait_for(lambda: any(t["kind"] == "cxl" for t in d.tiers()), "the CXL tier", interval=0.02)
         seconds = time.monotonic() - t0
         print(f"\nCXL region online -> kvtier tier: {seconds:.2f} s", flush=True)
@@ -186,7 +251,7 @@ def test_cxl_region_comes_and_goes_under_a_running_kvtierd(tmp_path, cxl_removed
         for b in node_blocks(CXL_NODE):
             if read(MEMORY / b / "state") != "offline":
                 set_state(b, "offline")
-        (KMEM / "unbind").write_text(DAX)
+        write_bounded(KMEM / "unbind", DAX)
         wait_for(lambda: [t["kind"] for t in d.tiers()] == ["dram", "far", "swap"], "the CXL tier to go")
         assert d.stats()["topology_events"]["tier_removed"] == 1
         wait_for(lambda: np.array_equal(d.block_tiers(region), kernel_tiers(d, child)),
