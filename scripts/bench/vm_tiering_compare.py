@@ -106,6 +106,19 @@ def vmstat() -> dict[str, int]:
     return out
 
 
+def tlb_shootdowns() -> int:
+    """TLB shootdown interrupts so far, all CPUs (/proc/interrupts' TLB row):
+    a migration of pages another CPU has mapped in its TLB sends one per
+    flush, so this tells a move that flushed page by page from one that
+    batched (or ran on the reader's own CPU, as numa_balancing's does)."""
+    with open("/proc/interrupts") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name.strip() == "TLB":
+                return sum(int(x) for x in rest.split() if x.isdigit())
+    return 0
+
+
 def cpu_seconds(pid: int) -> float:
     """utime + stime of a process (all its threads)."""
     f = read(f"/proc/{pid}/stat").rsplit(")", 1)[1].split()
@@ -381,7 +394,7 @@ def run_mode(mode: str, seconds: float, log_level: str = "info", sample_s: float
         elif mode == "damos_paddr":
             damos = DamosPaddr()
             damos.start()
-        vm0, cpu0 = vmstat(), cpu_seconds(child.pid)
+        vm0, cpu0, tlb0 = vmstat(), cpu_seconds(child.pid), tlb_shootdowns()
         kcpu0 = damos.cpu() if damos else (cpu_seconds(daemon.proc.pid) if daemon else 0.0)
         th = threading.Thread(target=touch, daemon=True)
         series = []
@@ -406,7 +419,7 @@ def run_mode(mode: str, seconds: float, log_level: str = "info", sample_s: float
             time.sleep(max(0.0, sample_s - (time.monotonic() - start - now)))
         stop.set()
         th.join(timeout=60 * speed.current())
-        vm1, cpu1 = vmstat(), cpu_seconds(child.pid)
+        vm1, cpu1, tlb1 = vmstat(), cpu_seconds(child.pid), tlb_shootdowns()
         extra = {}
         if damos:
             extra = damos.applied()
@@ -450,6 +463,7 @@ def run_mode(mode: str, seconds: float, log_level: str = "info", sample_s: float
             "series": series,
             "vmstat": delta,
             "migrated_mib": round(delta["pgmigrate_success"] * page / MiB, 1),
+            "tlb_shootdowns": tlb1 - tlb0,
             "workload_cpu_s": round(cpu1 - cpu0, 2),
             **extra,
         }
@@ -579,6 +593,10 @@ def host_main(args) -> None:
     print(f"kernel {res['kernel']}, pool {res['pool_mib']} MiB on node 1 at start, hot set {res['hot_mib']} MiB, "
           f"{res['seconds']} s per mode, hot set moves at half time")
     print(table(res))
+    tlb = [f"{m['mode']} {m['tlb_shootdowns']} ({m['tlb_shootdowns'] / max(1, m['vmstat']['pgmigrate_success']):.2f} "
+           f"per page migrated)" for m in res["modes"] if "tlb_shootdowns" in m]
+    if tlb:
+        print(f"TLB shootdowns during the run: {', '.join(tlb)}")
     starts = [f"{m['mode']} {m['kvtierd_start_cpu_s']} s" for m in res["modes"] if "kvtierd_start_cpu_s" in m]
     if starts:
         print(f"kvtierd start-up CPU (exec to registration, not in the kvtierd column): {', '.join(starts)}")

@@ -516,6 +516,10 @@ def test_read_meminfo_units_and_node_prefix(tmp_path: Path):
     p.write_text("Node 2 MemTotal:  100 kB\nNode 2 HugePages_Total:     3\nMemFree: 5 kB\ngarbage\n")
     assert sysfs.read_meminfo(str(p)) == {"MemTotal": 102400, "HugePages_Total": 3, "MemFree": 5120}
     assert sysfs.read_meminfo(str(tmp_path / "absent")) == {}
+    # names: parsed up to the last of them, in any order, and no further
+    assert sysfs.read_meminfo(str(p), ("MemFree", "MemTotal")) == {"MemTotal": 102400, "HugePages_Total": 3,
+                                                                   "MemFree": 5120}
+    assert sysfs.read_meminfo(str(p), ("MemTotal",)) == {"MemTotal": 102400}
 
 
 def test_read_int_hex_and_errors(tmp_path: Path):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+from collections.abc import Iterable
 
 from kvtier.errors import KvtierOSError, os_error
 
@@ -180,8 +181,11 @@ def read_list(file: str) -> list[int] | None:
     return None if text is None else parse_list(text)
 
 
-def read_meminfo(file: str) -> dict[str, int]:
-    """A meminfo-style file as {field: bytes}.
+def read_meminfo(file: str, names: Iterable[str] | None = None) -> dict[str, int]:
+    """A meminfo-style file as {field: bytes}; with ``names``, parsing stops
+    once those are read (the tick reads two of a node file's ~35 lines,
+    its first two: parsing the rest was most of the tick's topology refresh
+    in the TCG guest).
 
     Handles both /proc/meminfo ("MemTotal:  123 kB") and the per-node files
     ("Node 0 MemTotal:  123 kB"). Fields without a unit (HugePages_Total)
@@ -191,6 +195,7 @@ def read_meminfo(file: str) -> dict[str, int]:
     out: dict[str, int] = {}
     if text is None:
         return out
+    want = None if names is None else set(names)
     for line in text.splitlines():
         key, sep, rest = line.partition(":")
         if not sep:
@@ -206,6 +211,10 @@ def read_meminfo(file: str) -> dict[str, int]:
         if len(fields) > 1:
             value *= _UNIT_BYTES.get(fields[1], 1)
         out[name] = value
+        if want is not None:
+            want.discard(name)
+            if not want:
+                break
     return out
 
 

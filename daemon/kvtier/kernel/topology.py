@@ -63,6 +63,8 @@ KIND_CXL = "cxl"
 KIND_SWAP = "swap"
 KIND_CPU_ONLY = "cpu-only"  # a node with CPUs and no memory: never a tier
 MEMORY_KINDS = (KIND_DRAM, KIND_FAR, KIND_CXL)
+# what refresh_free reads of a node's meminfo every tick
+_TICK_FIELDS = (sysfs.MEMINFO_TOTAL, sysfs.MEMINFO_FREE)
 
 # order_source values: what placed a tier after the one before it.
 SRC_CPUS = "cpus"
@@ -200,7 +202,7 @@ class Topology:
         for info in self.nodes.values():
             if info.kind == KIND_CPU_ONLY or not info.meminfo_path:
                 continue
-            mi = sysfs.read_meminfo(info.meminfo_path)
+            mi = sysfs.read_meminfo(info.meminfo_path, _TICK_FIELDS)
             info.total = mi.get(sysfs.MEMINFO_TOTAL, info.total)
             info.free = mi.get(sysfs.MEMINFO_FREE, info.free)
         if self.swap_devices:
