@@ -95,7 +95,7 @@ def lifetimes(ticks) -> tuple[list[np.ndarray], list[np.ndarray], int]:
         nxt += tk.alloc.size
         alloc_life.append(cur[tk.alloc])
         life = cur[tk.rows]
-        orphan = life < 0  # read before any allocation (the engine refuses these; counted apart)
+        orphan = life < 0  # read before any allocation (the engine refuses these): a lifetime of its own
         if orphan.any():
             life[orphan] = np.arange(nxt, nxt + int(orphan.sum()))
             cur[tk.rows[orphan]] = life[orphan]
