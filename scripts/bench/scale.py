@@ -13,8 +13,9 @@ is not refused) and a workload process that
   MAP_NORESERVE), touching one byte every --touch-every bytes (default one
   4 KiB page per 64 MiB: a pool the engine has reserved but barely used);
 * registers them itself, in --block blocks (default 2 MiB);
-* with --open-ring, opens its connection's hint ring at once (as an engine
-  that hints between idle spells keeps it open), else at its first hint;
+* has its connection's hint ring open from the first registration on (the
+  client asks for it there since main ec01a07), so an idle cell has an open,
+  empty ring, as an engine between requests has;
 * hints at the cell's rate: every 50 ms, rate/20 random blocks of the
   regions in turn (at most 16 regions per round, so a round is at most 16
   messages), with the client library's own batching.
@@ -173,9 +174,6 @@ def child(a: argparse.Namespace) -> int:
         np.frombuffer(m, dtype=np.uint8)[:: a.touch_every] = 1
         bufs.append(m)
         regions.append(c.register(m, block_size=block, name=f"scale{i}"))
-    if a.open_ring and regions:
-        # as an engine between requests: its ring open, nothing written
-        regions[0].hint_set()
     print(json.dumps({"ready": True, "blocks": sum(r.nblocks for r in regions),
                       "regions": [r.id for r in regions]}), flush=True)
     rng = np.random.default_rng(7)
@@ -271,8 +269,7 @@ def run_cell(a: argparse.Namespace, total: int, nregions: int, rate: int) -> dic
             w = subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), "--child", "--socket", sock, "--total", str(total),
                  "--nregions", str(nregions), "--block", str(a.block), "--touch-every", str(a.touch_every),
-                 "--rate", str(rate)] + (["--open-ring"] if a.open_ring else []),
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                 "--rate", str(rate)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             if not json.loads(w.stdout.readline() or "{}").get("probe"):
                 raise SystemExit("workload did not start")
             time.sleep(3.0)  # a few ticks: the measuring and collecting workers have run a job
@@ -381,8 +378,6 @@ def main() -> int:
     ap.add_argument("--ingest", type=int, default=10_000_000, help="block hints in the ingestion test (0: skip)")
     ap.add_argument("--daemon-path", help="source tree whose daemon/ to run (e.g. an export of main)")
     ap.add_argument("--daemon-config", default="", help="extra TOML appended to the daemon's config")
-    ap.add_argument("--open-ring", action="store_true",
-                    help="the workload opens its hint ring even when it hints nothing (idle cells)")
     ap.add_argument("--json")
     # the workload process
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -400,8 +395,7 @@ def main() -> int:
                  for h in a.rates.split(",")]
     print(f"# {machine()}; load average {os.getloadavg()[0]:.2f}; daemon from "
           f"{a.daemon_path or 'this tree'}; {a.warmup:g} s warm-up, {a.seconds:g} s measured per cell; "
-          f"block {fmt_size(a.block)}, one page touched per {fmt_size(a.touch_every)}"
-          f"{'; hint ring open in idle cells' if a.open_ring else ''}")
+          f"block {fmt_size(a.block)}, one page touched per {fmt_size(a.touch_every)}")
     print("| registered | regions | blocks | hinted/s | load | daemon CPU % | kdamond % | tick p50 / p99 ms "
           "| tick CPU p50 / p99 ms | skipped | measure s/s | measure s/pass | fixed RSS MiB | RSS B/block "
           "| scrape ms | ingest M/s (wall, per CPU-s) | topology changes |")
