@@ -286,6 +286,7 @@ def mode_row(mode: str, timeline: list[dict], summary: dict, meta: dict | None =
             "moved": summary.get("kernel_moved_bytes", timeline[-1].get("kernel_moved_bytes", 0) if timeline else 0),
             "elapsed": summary.get("elapsed_s", end),
             "dram_free_at_start": (meta or {}).get("dram_free_at_start"),
+            "dram_hog_grown": (meta or {}).get("dram_hog_grown", 0),
             "pool_dram_max": float(pool.max()) if pool.size else None,
             "pool_dram_mean": float(pool.mean()) if pool.size else None}
 
@@ -340,13 +341,20 @@ def comparison_markdown(rows: list[dict], meta: dict) -> list[str]:
     def mib(x):
         return "-" if x is None else f"{x / MIB:.0f}"
 
+    def free_cell(r):
+        # node memory freed during the run that the driver's hog took back
+        if r.get("dram_free_at_start") is None:
+            return "-"
+        grown = r.get("dram_hog_grown") or 0
+        return f"{mib(r['dram_free_at_start'])} MiB" + (f" (+{mib(grown)} MiB freed later, held back)" if grown else "")
+
     def ref(x):
         return f"{x['bytes'] / MIB:.0f} MiB ({_pct(x['share'])})" if x else "-"
 
     for r in rows:
         lines.append(f"| {r['mode']} | {_pct(r['first'])} | {_pct(r['mean'])} | {_pct(r['last30'])} | "
                      f"{r['moved'] / MIB:.0f} MiB | {ref(r.get('turnover'))} | {ref(r.get('lru_ideal'))} | "
-                     f"{mib(r.get('dram_free_at_start'))}{'' if r.get('dram_free_at_start') is None else ' MiB'} | "
+                     f"{free_cell(r)} | "
                      f"{mib(r.get('pool_dram_max'))} / {mib(r.get('pool_dram_mean'))} MiB |")
     lines += [""] + verdict(rows) + [
         "",

@@ -97,6 +97,22 @@ def node_memory(node: int) -> dict[str, int]:
     return out
 
 
+def node_zone_pages(node: int, zoneinfo: str = "/proc/zoneinfo") -> dict[str, int]:
+    """Bytes of ``node``'s zones, summed: the min, low and high watermarks,
+    and ``pcp``, the free pages sitting in the per-CPU lists, which MemFree
+    does not count (in the guest up to ~24 MiB, moving with every burst of
+    frees: a session's discarded blocks go there first)."""
+    pages, here, key = {"min": 0, "low": 0, "high": 0, "pcp": 0}, False, {"count:": "pcp"}
+    with open(zoneinfo) as f:
+        for line in f:
+            parts = line.split()
+            if line.startswith("Node "):
+                here = parts[1].rstrip(",") == str(node)
+            elif here and len(parts) == 2 and (parts[0] in pages or parts[0] in key):
+                pages[key.get(parts[0], parts[0])] += int(parts[1])
+    return {k: v * PAGE for k, v in pages.items()}
+
+
 def kernel_moved_pages() -> int:
     with open(VMSTAT) as f:
         counts = dict(line.split() for line in f)
@@ -348,6 +364,19 @@ class Workload:
         return {"elapsed_s": time.time() - t0, "cpu_s": time.process_time(), "sessions_started": self.next_sid - 1,
                 "sessions_finished": self.finished, "sessions_rejected": self.rejected}
 
+    @staticmethod
+    def dram_node_memory(tiers: list[dict]) -> dict[str, int]:
+        """The DRAM node's meminfo fields and its per-CPU free pages (``pcp``)."""
+        if not tiers or not tiers[0]["nodes"]:
+            return {}
+        node = int(tiers[0]["nodes"][0])
+        out = node_memory(node)
+        try:
+            out["pcp"] = node_zone_pages(node)["pcp"]
+        except OSError:
+            pass
+        return out
+
     def tiers(self) -> list[dict]:
         if self.client is not None:
             return self.client.request("tiers")["tiers"]
@@ -414,7 +443,7 @@ class Workload:
                                else round(status_t - engine["plan_settled_age_s"], 3)),
             "kernel_moved_bytes": (kernel_moved_pages() - self.moved_pages0) * PAGE,
             # the DRAM node's memory (MemFree, FilePages, ... of its meminfo), bytes
-            "dram_node": node_memory(int(tiers[0]["nodes"][0])) if tiers and tiers[0]["nodes"] else {},
+            "dram_node": self.dram_node_memory(tiers),
             # the workload's ground truth of the second (report.py's turnover reference)
             "read_blocks": np.flatnonzero(reads).tolist(),
             "read_counts": reads[reads > 0].tolist(),
