@@ -16,8 +16,10 @@ engine's process should not grow threads behind its back). Hints never
 block the engine: ``hint`` appends to a batch. By default registering a
 region asks for the connection's shared-memory hint ring (op ``hint_ring``,
 kvtier.hintring), and batches without counts are then one copy into memory
-the daemon drains, no system call (``Client(hint_ring=False)`` turns that
-off; rejected hints surface in ``flush()``). Otherwise, and for batches
+the daemon drains, no system call (but for the first batch after a pause
+of the ring, which also writes an empty hint so the daemon drains it at
+once; ``Client(hint_ring=False)`` turns the ring off; rejected hints
+surface in ``flush()``). Otherwise, and for batches
 with counts or that do not fit in a full ring, a full or old batch is sent
 with non-blocking writes (what the socket cannot take now stays queued and
 goes with the next batch), answers are read when they have arrived, and
