@@ -353,6 +353,7 @@ def dram_room(dram: pol.TierState, cfg: pol.PolicyConfig, pstate: pol.PolicyStat
     free memory, less ``on_way`` (bytes already on their way there). A
     prefetch and ``_promote_hot`` move only this much; the plan makes more
     room by demoting colder residents. kvtier-sim's kvtier uses it too."""
+    on_way += dram.arriving_bytes
     room = pol.promote_limit(dram, cfg, pstate) - dram.used_bytes - on_way
     if dram.free_bytes is not None:
         room = min(room, float(dram.free_bytes) - on_way)
@@ -507,8 +508,10 @@ class Engine:
 
     def tier_states(self) -> list[pol.TierState]:
         used = self._bytes_by_tier()
+        arriving = self.engine_moves.bytes_arriving(used.size)
         return [
-            pol.TierState(t.index, t.name, t.kind, int(t.capacity), int(used[t.index]), int(t.free))
+            pol.TierState(t.index, t.name, t.kind, int(t.capacity), int(used[t.index]), int(t.free),
+                          int(arriving[t.index]))
             for t in self.topology.tiers
         ]
 

@@ -151,6 +151,20 @@ class EngineMoves:
                         self.table.nbytes[rows].astype(np.int64), {})
         return pol.refund(pstate, plan, np.zeros(rows.size, dtype=bool), cfg)
 
+    def bytes_arriving(self, ntiers: int) -> np.ndarray:
+        """Bytes per tier that sent, unanswered moves bring there. The table
+        still counts each such block in its source tier until the owner
+        answers; its engine needs the destination's room already, so the
+        plan and the room for hinted promotions count it there too
+        (``TierState.arriving_bytes``), or a second batch is sent into room
+        the first has taken and the owner, its pool full, refuses it."""
+        out = np.zeros(ntiers)
+        for p in self.pending.values():
+            d = int(p.dst[0])
+            if 0 <= d < ntiers:
+                out[d] += float(p.nbytes.sum())
+        return out
+
     def status(self) -> dict:
         return {"engine_moves_pending": sum(int(p.index.size) for p in self.pending.values()),
                 "engine_regions_attached": len(self.channels)}

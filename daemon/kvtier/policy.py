@@ -192,6 +192,9 @@ class TierState:
     ``capacity_bytes`` is what kvtier may use in the tier (its target before
     the config's fraction); ``free_bytes`` is the memory actually free on the
     tier's nodes (None = unknown): promotions never plan more than that.
+    ``arriving_bytes``: moves into the tier sent and not yet answered (an
+    engine-mode region's owner executes them), whose blocks the table still
+    counts in their source tier; the plan counts them here already.
     """
 
     index: int
@@ -200,6 +203,7 @@ class TierState:
     capacity_bytes: int
     used_bytes: int = 0
     free_bytes: int | None = None
+    arriving_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -651,6 +655,9 @@ class _Tick:
         self.fill = np.array([fill_bytes(t, cfg, state) for t in tiers])
         self.state = state
         self.b = _Builder(snap, T, state)
+        arriving = [t.arriving_bytes for t in tiers]
+        if any(arriving):
+            self.b.used = self.b.used + np.array(arriving, dtype=np.float64)
         # Why each block stays, most specific last (a later rule overrides).
         stay = np.full(tier.size, S_PLACED, dtype=np.uint8)
         stay[recent] = S_RESIDENCE

@@ -960,3 +960,28 @@ def test_a_prefetch_into_a_full_dram_moves_only_its_room_and_leaves_the_rest_to_
     r.hint(swapped)
     r.tick(3)
     assert all(r.tiers()[b] == DRAM for b in swapped), r.tiers()
+
+
+def test_unanswered_engine_promotions_hold_their_room_in_dram(rig):
+    """An engine-mode region's moves wait for its owner's answer; until then
+    the table still counts the blocks in their source tier. CI on a loaded
+    host saw the daemon send a second batch of promotions into DRAM room
+    the first had taken, and the engine, its DRAM pool full, refused them
+    (test_allocate_engine: failed engine moves). Kills: tier_states (the
+    plan's and the hinted promotion's view of DRAM) not counting the bytes
+    of sent, unanswered moves at their destination."""
+    r = rig(1, capacity={DRAM: 4 * BLOCK}, high_wm=1.0, low_wm=0.5)
+    tiers = np.full(16, SWAP_TIER, dtype=np.int8)
+    eng = r.registry.add(PID, BASE + BLOCK, 16 * BLOCK, BLOCK, name="pools", engine_tiers=tiers).id
+    sent = []
+    r.engine.engine_moves.attach(eng, object(), lambda kind, msg: sent.append(msg))
+    rows = np.arange(r.table.slices[eng].start, r.table.slices[eng].stop)
+    for _ in range(6):  # every block hot, in the engine's slow pool; no owner answers
+        r.hint(np.arange(16), count=50, region=eng)
+        r.tick()
+    up = [m for m in sent if m["dst"] == DRAM]
+    asked = sum(len(m["blocks"]) // 4 for m in up)
+    kernel_dram = int((r.table.tier[r.rows()] == DRAM).sum())
+    assert up, "no promotion was sent to the owner"
+    assert asked + kernel_dram <= 4, (asked, kernel_dram, [len(m["blocks"]) // 4 for m in up])
+    assert (r.table.tier[rows] == SWAP_TIER).all()  # nothing counted moved before the owner answers
