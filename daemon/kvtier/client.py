@@ -63,8 +63,25 @@ MAX_IN_FLIGHT = 64
 RING_CHECK_BATCHES = 16
 MAX_CLOCK_STRIDE = 16  # hint calls between clock reads, at most (Region.hint): bounds how late a batch
 # goes out when the engine suddenly hints far less often
+# HintSet.touch counts down to its next look at the clock. The pace of the
+# touches between two looks predicts how many fit before the set is due:
+# the next look is that many touches away, but never more than 1/LOOK_SHARE
+# of hint_interval at that pace, so a pace that drops (or a pause) makes a
+# flush late by at most about that much. At a steady pace that is about
+# LOOK_SHARE + 1 clock reads per interval, where a stride of 1-16 touches
+# (as Region.hint's) read it 16 times an interval at the guest workload's
+# pace (1.6 ms a pass; a clock read is a system call in the TCG guest,
+# whose clocksource is HPET).
+LOOK_SHARE = 4
+# ... and in steps of at most COUNTDOWN_MAX touches: CPython keeps the ints
+# -5..256 as shared objects, so a countdown within them allocates nothing
+# per touch. An increment of a larger int makes a new object: in the guest,
+# between passes of a process touching 32 MiB, such a touch took 41 us
+# (p50) against 32 us counting down and 19 us for an empty call.
+COUNTDOWN_MAX = 256
 _RING_BAD = (hintring.BAD_REGION, hintring.BAD_BLOCK, hintring.BAD_HEAD)
 _BLOCKS_DTYPE = np.dtype(protocol.BLOCKS_DTYPE)  # numpy's built-in dtypes are singletons: ``is`` compares
+_clock = time.monotonic  # the hint set's clock (a name to replace in tests)
 
 
 class KvtierClientError(Exception):
@@ -553,12 +570,17 @@ class HintSet:
 
     The daemon sees what ``region.hint(blocks)`` once per step would have
     told it (the same entries, so the same temperatures and hint counters),
-    at a cost per step of about one attribute increment and a comparison:
-    ``touch()`` counts, and every 1-16 touches (MAX_CLOCK_STRIDE, adapted
-    as ``Region.hint`` does) looks at the clock; once ``hint_interval`` has
-    passed since the last flush, ``flush()`` sends the counts. The first
-    touch after an interval without one is sent at once (it is the one a
-    promotion waits for).
+    at a cost per step of one attribute decrement and a comparison with 0:
+    ``touch()`` counts down (in ints CPython keeps cached: no allocation)
+    to its next look at the clock, which the pace of the touches before
+    places where the set is due, within a quarter of ``hint_interval``
+    (LOOK_SHARE): about five clock reads an interval at a steady pace,
+    whatever the pace. Once ``hint_interval`` has passed since the last
+    flush, the look sends the counts. The first touch of a set, or after
+    an interval without a flush, is sent at once if it looks at the clock;
+    a touch after a pause in a run of touches is sent at the next look,
+    within a quarter interval at the pace before the pause (it is the one
+    a promotion waits for).
 
     A flush sends each block as often as it was read, through the hint ring
     where the connection has one (no system call), else on the socket;
@@ -578,10 +600,12 @@ class HintSet:
 
     def __init__(self, region: Region, blocks: Iterable[int] | np.ndarray = ()):
         self.region = region
-        self.touches = 0  # touch() calls, in all
-        self._check_at = 1  # touches at which touch() next looks at the clock
-        self._stride = 1
-        self._clock_at = 0.0
+        # touch() counts down _left from _run; touches before that run: _base
+        # (so touches = _base + _run - _left). At _look_at touches, the clock.
+        self._base = 0
+        self._run = self._left = self._look_at = 1  # the first touch looks
+        self._looked_at = _clock()  # when the clock was last read ...
+        self._looked_touches = 0  # ... and the touches then: the pace
         self._sent_at = -math.inf
         self._since = 0  # touches when the current blocks were last counted (flush or change)
         self._ids = np.zeros(0, dtype=_BLOCKS_DTYPE)  # the set, in its first _len entries
@@ -597,9 +621,14 @@ class HintSet:
 
     def touch(self) -> None:
         """One step read every block of the set."""
-        self.touches += 1
-        if self.touches >= self._check_at:
-            self._clock()
+        self._left -= 1
+        if self._left <= 0:
+            self._due()
+
+    @property
+    def touches(self) -> int:
+        """touch() calls, in all."""
+        return self._base + self._run - self._left
 
     def __len__(self) -> int:
         return self._len
@@ -662,19 +691,30 @@ class HintSet:
         self._len, self._folded, self._packed = 0, False, None
         self.extend(b)
 
-    def _clock(self) -> None:
-        """Every _stride touches: flush once hint_interval has passed since
-        the last flush; the stride adapts as in ``Region._clock``."""
+    def _due(self) -> None:
+        """touch() counted down to 0: count on, or look at the clock."""
         if self.closed:
             raise ValueError(f"hint set of region {self.region.id} is closed")
-        now = time.monotonic()
+        touches = self._base = self._base + self._run - self._left
+        self._run = self._left = 0  # (touches stays right if a flush below raises)
+        if touches < self._look_at:
+            self._run = self._left = min(self._look_at - touches, COUNTDOWN_MAX)
+            return
+        now = _clock()
         interval = self.region.client.hint_interval
         if now - self._sent_at >= interval:
             self._send(now)
-            return
-        self._stride = _next_stride(self._stride, now - self._clock_at, interval)
-        self._clock_at = now
-        self._check_at = self.touches + self._stride
+        # Touches until the next look: as many as came in the time to the
+        # set's next flush (a quarter interval at most) at the pace since
+        # the last look, and one more, so that at a steady pace the look
+        # lands just past the flush's time, not just before it. (A clock
+        # that did not move: twice as many as since the last look.)
+        wait = min(self._sent_at + interval - now, interval / LOOK_SHARE)
+        span, came = now - self._looked_at, touches - self._looked_touches
+        step = int(came * wait / span) + 1 if span > 0 else 2 * came
+        self._looked_at, self._looked_touches = now, touches
+        self._look_at = touches + step
+        self._run = self._left = min(step, COUNTDOWN_MAX)
 
     def _take(self) -> list[tuple[np.ndarray, np.ndarray | int]]:
         """What is counted and not sent: (blocks, counts per block, or one
@@ -695,13 +735,10 @@ class HintSet:
 
     def flush(self) -> None:
         """Send the counts now (without waiting for the daemon)."""
-        self._send(time.monotonic())
+        self._send(_clock())
 
     def _send(self, now: float) -> None:
-        # Whatever happens below, the next touch looks at the clock: the
-        # interval since this flush starts now.
-        self._sent_at = self._clock_at = now
-        self._check_at = self.touches + 1
+        self._sent_at = now  # the next flush is due hint_interval from here
         region = self.region
         n = self.touches - self._since
         if not (self._retired or self._folded) and n * self._len <= region.client.hint_batch:
@@ -737,7 +774,7 @@ class HintSet:
 
     def _detach(self) -> None:
         self.closed = True
-        self._check_at = 0  # the next touch looks, and raises
+        self._base, self._run, self._left = self.touches, 0, 0  # the next touch raises
         self._retired, self._len, self._folded = [], 0, False
         self.region._hint_sets.discard(self)
 

@@ -95,7 +95,7 @@ def run_flush(hs, flushes: int, gap: float = 0.0) -> dict:
 
 
 def _touch_and_flush(hs) -> None:
-    hs.touches += FLUSH_EVERY  # as FLUSH_EVERY touch() calls that did not look at the clock
+    hs._base += FLUSH_EVERY  # as FLUSH_EVERY touch() calls that did not look at the clock (touches counts them)
     hs.flush()
 
 
