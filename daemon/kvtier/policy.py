@@ -45,11 +45,12 @@ blocks it looked at and left alone, the rule that decided (``Plan.stay``,
       the first pair that fails the margin test.
    c. ``_step_cold``: between the watermarks, blocks colder than
       ``demote_temp`` are demoted down to the low watermark: headroom for new
-      allocations without evicting anything in use. When new blocks arrive
-      faster than ``demote_mbps`` (see below), or have on the whole for
-      minutes at an excess that fills DRAM's free room within
-      ``FILL_HORIZON_S``, DRAM fills however fast we demote, so then every
-      cold block goes, not just down to the watermark.
+      allocations without evicting anything in use. Every cold block goes,
+      not just down to the watermark, only when DRAM would otherwise be full
+      while the migrator has no time to make room (``_dram_fills``): a burst
+      faster than ``demote_mbps`` that DRAM's free room would not hold, or a
+      load that has outrun the migrator on the whole for minutes at an
+      excess that fills that room within ``FILL_HORIZON_S``.
 4. ``_step_ended`` (DRAM, last in the plan): when allocations have come
    faster than the migrator could make room for them as they came
    (``PolicyState.backlog_peak``, a queue of the inflow drained at
@@ -269,8 +270,9 @@ _PROMOTE_FACTOR = 1.0
 # (kvtier-sim: 60 s to 1200 s within 0.4 point on every slice tried.)
 BACKLOG_TAU_S = 300.0
 # How far ahead _step_cold looks for DRAM filling up at the sustained excess
-# of allocations over the migrator (see there).
-FILL_HORIZON_S = 3 * BACKLOG_TAU_S
+# of allocations over the migrator (_dram_fills): the time over which a
+# serving load's mean rate is taken to hold (traffic moves over hours).
+FILL_HORIZON_S = 3600.0
 
 
 def _bursts(cfg: PolicyConfig, max_block: float, inflow_bps: float = 0.0) -> tuple[float, float]:
@@ -832,30 +834,54 @@ def _step_cold(x: _Tick, t: int) -> None:
         return
     cand = np.flatnonzero(x.demotable(t) & (x.eff < cfg.demote_temp))
     low = x.low[t]
-    rate = cfg.demote_mbps * MIB
-    excess = x.state.sustained_inflow - rate
-    if t == 0 and (x.state.inflow_bps > rate or (excess > 0 and excess * FILL_HORIZON_S >= x.target[0] - b.used[0])):
-        # New blocks arrive faster than the migration rate we assume
-        # (demote_mbps), or have on the whole for minutes at an excess that
-        # fills DRAM's free room within FILL_HORIZON_S: DRAM will fill
-        # however fast we demote, and every cold block out early is one more
-        # new block landing in DRAM later. Demote all that is cold, not just
-        # down to the low watermark, and in a lull between bursts of such a
-        # load too: that is when the migrator has the time (still last in
-        # the plan: it only takes migrator time nothing else wants).
-        # (kvtier-sim synthetic 8B 10 %: 0.894 -> 0.901 with the lulls. The
-        # sustained test alone, without the instantaneous one, kept cached
-        # prefixes in DRAM where the migrator keeps up on the whole,
-        # conversation 8B 50 % 0.9989 -> 0.9997, but on conversation 70B 50 %
-        # DRAM's free room outlasts any fixed horizon and DRAM filled with
-        # finished blocks: 0.938 -> 0.839.)
-        low = 0.0
+    if t == 0 and _dram_fills(x.state, cfg, x.target[0] - b.used[0]):
+        low = 0.0  # every cold block, last in the plan: migrator time nothing else wants
     if cand.size == 0 or b.used[t] <= low:
         x.mark(cand, S_WATERMARK)
         return
     k = min(b.budget_rows("demote", int(b.nb[cand].min())), cand.size)
     b.take(_ordered(cand, x.key, k, hottest_first=False), t + 1, R_COLD, b.used[t] - low, late=True)
     x.mark(cand, S_WATERMARK)  # the rest: the tier is at its low watermark now (or tokens ran out)
+
+
+def _dram_fills(state: PolicyState, cfg: PolicyConfig, free: float) -> bool:
+    """Whether DRAM, ``free`` bytes short of its target, fills with new
+    blocks faster than the migrator can make room: then every cold block
+    goes early (``_step_cold``), in the migrator's spare time, each one out a
+    new block that lands in DRAM later instead of on CXL, where every decode
+    step of its request would read it.
+
+    Emptying DRAM of cold blocks is not free where it is not needed: most of
+    them are finished requests' blocks kept as a prefix cache, and the next
+    turn that takes one reads it from CXL and promotes it back. So it is
+    done only where the room is short:
+
+    - a burst: allocations now faster than the migrator (``demote_mbps``)
+      while the free room is less than what the recent bursts needed beyond
+      it (``backlog_peak``) and the next ``burst_s`` of them (``headroom``).
+      With more room than that the burst fits in it. (Fired on every burst
+      above the migrator, the rule emptied DRAM of cached prefixes that
+      later turns took back where DRAM had room for dozens of such bursts:
+      kvtier-sim, Mooncake conversation, 8B, DRAM 50 %: 800-1,100 GiB free
+      in most ticks against backlogs of 18-48 GiB; 0.9989, below the
+      kernel-like policy's 0.9996; 0.9997 with this test.)
+    - a load that outruns the migrator: its mean over BACKLOG_TAU_S above
+      ``demote_mbps`` at an excess that fills the free room within
+      FILL_HORIZON_S. DRAM then fills however fast we demote, and migrator
+      time not spent now is lost for good: the room made early is what the
+      new blocks find once DRAM would be full. The horizon is how long the
+      load's mean is taken to hold, not how soon DRAM must be full: with
+      900 s and no burst test, conversation 70B 50 % (8 GiB/s of new blocks
+      against 4) kept its cold blocks until DRAM was within 15 minutes of
+      full and lost 0.938 -> 0.839; an excess of a few minutes (a fleet's
+      start with DRAM empty: conversation 8B, about 4.6 GiB/s over its
+      first minutes) fills nothing within an hour.
+    """
+    rate = cfg.demote_mbps * MIB
+    if state.inflow_bps > rate and free < state.backlog_peak + state.headroom(cfg):
+        return True
+    excess = state.sustained_inflow - rate
+    return excess > 0 and excess * FILL_HORIZON_S >= free
 
 
 def plan(

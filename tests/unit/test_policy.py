@@ -776,31 +776,35 @@ def test_the_headroom_margin_above_the_mean_only_while_allocations_outrun_the_mi
     assert replace(calm, backlog_peak=BS).headroom(c) == pytest.approx(18 * BS)
 
 
-def test_all_cold_blocks_go_early_while_allocations_outrun_the_migrator_and_in_its_lulls():
-    # DRAM of 1000 blocks holds 9: 3 cold (finished) and 6 warm; the
+def test_all_cold_blocks_go_early_only_where_dram_would_fill_while_the_migrator_is_short():
+    # DRAM holds 9 blocks: 3 cold (finished, a prefix cache) and 6 warm; the
     # migrator makes room for 4 blocks/s. Every cold block goes early (each
-    # one out is a new block landing in DRAM later) while allocations come
-    # faster than that, and in a lull too if they have on the whole (the
-    # mean over minutes) at an excess that fills DRAM's free room within the
-    # horizon: the lull is when the migrator has the time. A lull on a
-    # calmer mean, or one with room for many minutes of the excess, leaves
-    # the cached blocks in DRAM (down to the low watermark only: none here).
+    # one out is a new block landing in DRAM later) where DRAM's free room
+    # is short: a burst faster than the migrator that the room would not
+    # hold (less than the recent bursts' backlog and the next second of
+    # allocations), or a load whose mean outruns the migrator at an excess
+    # that fills the room within the horizon, in its lulls too. A burst the
+    # room holds, a calm mean, or room for more than the horizon's excess
+    # leave the cached blocks in DRAM (down to the low watermark only: none
+    # here): the next turn that takes them would read them from CXL.
     t = make_table(9)
     t.temp[:3] = 0.1
     t.temp[3:] = 3.0
     c = cfg(demote_mbps=4 * BS / MIB)
 
-    def cold_moves(dram_blocks, now_blocks_s, mean_blocks_s):
+    def cold_moves(dram_blocks, now_blocks_s, mean_blocks_s, backlog_blocks=0.0):
         st = PolicyState(promote_tokens=1e12, demote_tokens=1e12, last_now=99.0, last_total=9 * BS,
                          total_at=99.0, inflow_bps=now_blocks_s * BS, inflow_slow=mean_blocks_s * BS,
-                         inflow_slow_w=1.0)
+                         inflow_slow_w=1.0, backlog_peak=backlog_blocks * BS)
         p, _ = plan(t.snapshot(), tiers(dram_blocks), c, st, 100.0)
         return sorted(p.rows[p.reason == R_COLD].tolist())
 
-    assert cold_moves(1000, 8.0, 3.0) == [0, 1, 2]  # a burst above the migrator
-    assert cold_moves(1000, 1.0, 8.0) == [0, 1, 2]  # a lull: (8 - 4) x 900 s > 991 blocks free
+    assert cold_moves(12, 8.0, 3.0) == [0, 1, 2]  # a burst of 8/s above the migrator, 3 blocks free
+    assert cold_moves(1000, 8.0, 3.0) == []  # the same burst, 991 free: it fits
+    assert cold_moves(1000, 8.0, 3.0, backlog_blocks=990.0) == [0, 1, 2]  # bursts needed 990 + 8
+    assert cold_moves(1000, 1.0, 8.0) == [0, 1, 2]  # a lull: (8 - 4) x 3600 s > 991 blocks free
     assert cold_moves(1000, 1.0, 3.0) == []  # a lull on a calm mean
-    assert cold_moves(10000, 1.0, 8.0) == []  # 9,991 free: more than the horizon's excess
+    assert cold_moves(100000, 1.0, 8.0) == []  # 99,991 free: more than the horizon's excess
 
 
 def _read_steadily(t, temp, rows, until):
