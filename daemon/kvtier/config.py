@@ -184,10 +184,15 @@ OPTIONS: tuple[Option, ...] = (
            "Seconds between policy ticks (snapshot, plan, migrate).", 0.01, 3600.0),
     Option("daemon", "residency_interval", float, 10.0,
            "Seconds for the rotating residency sample to look at every block once "
-           "(longer when residency_pages_per_s cannot pay for it).", 0.1, 86400.0),
+           "(longer when residency_pages_per_s cannot pay for it, or while it backs off: residency_idle_slowdown).",
+           0.1, 86400.0),
     Option("daemon", "residency_pages_per_s", float, 65536.0,
            "Budget of pages per second whose placement is measured (sampled windows, blocks that changed): "
            "bounds the measuring cost whatever is registered.", 1.0, 1e9),
+    Option("daemon", "residency_idle_slowdown", int, 8,
+           "The rotating sample runs up to this many times more slowly while its windows find nothing "
+           "the daemon did not do (halving after each 16,384 windows or whole table that agreed; the first "
+           "that disagrees restores full rate); 1 = never back off.", 1, 1024),
     Option("daemon", "residency_sample_pages", int, 16,
            "Pages per block in the rotating sample's window; a block it finds elsewhere is measured whole.",
            1, 1 << 20),

@@ -125,8 +125,8 @@ class Daemon:
             self.table, self.registry, self.topology, self.migrator, self.temperature,
             policy_config(cfg, self.registry.tenant_id), self.stats, loop,
             residency_interval=d.residency_interval, residency_pages_per_s=d.residency_pages_per_s,
-            residency_sample_pages=d.residency_sample_pages, source_cpu_budget=d.source_cpu_budget,
-            sources=self.sources, availability=self.availability, recorder=self.recorder,
+            residency_sample_pages=d.residency_sample_pages, residency_idle_slowdown=d.residency_idle_slowdown,
+            source_cpu_budget=d.source_cpu_budget, sources=self.sources, availability=self.availability, recorder=self.recorder,
         )
         self.registry.on_added, self.registry.on_hinted = self.engine.registered, self.engine.hinted
         self.hotplug = uevents.TopologyFollower(self.engine, self.stats, lambda: topo_mod.discover(
@@ -312,6 +312,7 @@ class Daemon:
         self.engine.residency_interval = new.daemon.residency_interval
         self.engine.residency_pages_per_s = new.daemon.residency_pages_per_s
         self.engine.residency_sample_pages = new.daemon.residency_sample_pages
+        self.engine.residency_idle_slowdown = new.daemon.residency_idle_slowdown
         self.engine.source_cpu_budget = new.daemon.source_cpu_budget
         self.temperature.tau_s = new.hotness.tau_s
         self.temperature.end_of_run = new.hotness.end_of_run

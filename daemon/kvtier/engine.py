@@ -87,6 +87,12 @@ URGENT_JOB_PAGES = 1 << 16
 # Registered regions get their first look apart (_first_look_rows), and
 # blocks hinted or observed while not known present are measured soon.
 MIN_SAMPLE_BLOCKS = 1024
+# The rotating sample backs off while it finds nothing: after this many
+# windows in a row (or the whole table, if smaller) that all agreed with the
+# table, it runs half as often, down to 1/residency_idle_slowdown of its
+# rate; the first window that disagrees puts it back to full rate (see
+# Engine._sample_yield).
+SAMPLE_BACKOFF_BLOCKS = 16384
 # Rows per step when looking for stale blocks (stops once enough are found).
 STALE_SCAN_CHUNK = 1 << 16
 # Between ticks, a measuring job for blocks just hinted or observed while not
@@ -403,6 +409,7 @@ class Engine:
         residency_interval: float = 10.0,
         residency_pages_per_s: float = 65536.0,
         residency_sample_pages: int = 16,
+        residency_idle_slowdown: int = 8,
         source_cpu_budget: float = 0.05,
         sources: Sequence[HotnessSource] = (),
         availability: Mapping[str, AvailabilityView] | None = None,
@@ -424,6 +431,7 @@ class Engine:
         self.residency_interval = residency_interval
         self.residency_pages_per_s = residency_pages_per_s
         self.residency_sample_pages = residency_sample_pages
+        self.residency_idle_slowdown = residency_idle_slowdown
         self.source_cpu_budget = source_cpu_budget
         self.clock = clock
         # The workers keep the daemon's scheduling priority on purpose: they
@@ -462,6 +470,10 @@ class Engine:
         self._sample_due = 0.0
         self._sample_clock: float | None = None
         self._pass_started: float | None = None
+        # the sample's back-off: its current slowdown (1 = full rate) and the
+        # windows that agreed with the table since the last change of it
+        self._sample_slow = 1
+        self._sample_clean = 0
         self._urgent = False
         # Hotness sources that probed available; their set_targets runs on
         # this thread while no collect runs, their collect on the collector,
@@ -575,6 +587,8 @@ class Engine:
                 self._settle(m.ticket, m.regions.size, "gone")
         self.manual = kept
         self.topology = topology
+        self._sample_slow, self._sample_clean = 1, 0  # tiers came or went: look at full rate again
+        self.stats.residency_sample_slowdown = 1
         # libnuma counts the nodes present when the daemon started: a node
         # hot-added since (a CXL region onlined) must still be a valid target.
         self.migrator.max_node = max(self.migrator.max_node, max(topology.nodes, default=0))
@@ -1754,14 +1768,19 @@ class Engine:
         #    residency_interval when the budget allows
         #    (in jobs of MIN_SAMPLE_BLOCKS at least, or the whole table, or
         #    what a second of budget pays for; at most that second's worth)
+        #    (slower while it keeps finding nothing: _sample_yield)
         k2 = 0
         if sample and not urgent and n:
             per_s = max(1, int(self.residency_pages_per_s // S))
             if self._sample_clock is None:
                 self._sample_due = float(min(n, MIN_SAMPLE_BLOCKS))
             else:
+                # blocks per second: the interval's, as far as the budget
+                # pays, divided by the back-off (the jobs keep their size
+                # and come less often: a job's fixed cost is the same)
+                rate = min(n / self.residency_interval, per_s) / self._sample_slow
                 since = max(0.0, now - self._sample_clock)
-                self._sample_due = min(float(n), self._sample_due + n * since / self.residency_interval)
+                self._sample_due = min(float(n), self._sample_due + rate * since)
             self._sample_clock = now
             if self._sample_due >= min(n, MIN_SAMPLE_BLOCKS, per_s) - 1e-6:
                 k2 = int(max(0, min(n, math.ceil(self._sample_due - 1e-6), budget // S, per_s)))
@@ -1810,6 +1829,32 @@ class Engine:
             addr=addr, nbytes=nbytes, full=full, window=window, lut=topo.node_tier_lut(),
             ntiers=len(topo.tiers), swap_index=None if swap is None else swap.index, started=now,
         )
+
+    def _sample_yield(self, looked: int, found: int) -> None:
+        """The rotating sample's control law: look less where looking finds
+        nothing. The sample is there to catch pages moved by what is not
+        the daemon (kernel reclaim to swap, a fault bringing a page back,
+        numa balancing, another tool's moves); on a quiet machine every
+        window agrees with the table, and the sample was most of an idle
+        daemon's cost (docs/benchmarks.md, "Cost at scale"). So after
+        SAMPLE_BACKOFF_BLOCKS windows (or the whole table) without one
+        block found away from the tier the table knew (``found``), the
+        sample runs half as often, down to 1/residency_idle_slowdown of its
+        rate; one such block puts it back to full rate at once: whatever
+        moved it may be moving more. Blocks the table has no tier for yet
+        do not count (their first page seen is news, not drift; sparse
+        blocks show one now and then), nor do stale blocks (hinted or
+        observed while not known present, failed moves): those are
+        measured whole whatever the slowdown, and `kvtierctl measure`
+        measures everything on demand."""
+        if found:
+            self._sample_slow, self._sample_clean = 1, 0
+        else:
+            self._sample_clean += looked
+            step = min(len(self.table), SAMPLE_BACKOFF_BLOCKS)
+            if self._sample_clean >= step and self._sample_slow * 2 <= max(1, self.residency_idle_slowdown):
+                self._sample_slow, self._sample_clean = self._sample_slow * 2, 0
+        self.stats.residency_sample_slowdown = self._sample_slow
 
     def _take_soon(self, n: int) -> np.ndarray:
         """The rows queued stale between ticks, once each, that are still
@@ -1960,6 +2005,9 @@ class Engine:
             # move; the rotating sample's next windows still catch a block
             # that is not all where its window was.
             new = off & (t.tier[r] < 0)
+            # what the sample is for: a block whose placement the table knew,
+            # found elsewhere (a block seen for the first time is news, not drift)
+            self._sample_yield(int(ws.size), int(np.count_nonzero(off & (t.tier[r] >= 0) & (t.tier[r] != wt))))
             flags[r[off & ~(new & job.window_whole[ws])]] |= np.uint8(F_STALE)
             if new.any():
                 t.tier[r[new]] = wt[new]

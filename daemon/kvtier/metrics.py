@@ -158,6 +158,9 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "kvtier_residency_blocks": ("counter", ("how",), "Blocks measured: whole (stale) or sampled (a window of pages)."),
     "kvtier_residency_seconds": ("counter", (), "Wall time of the measuring thread in its jobs."),
     "kvtier_residency_pass_seconds": ("gauge", (), "How long the rotating sample took to visit every block, last time."),
+    "kvtier_residency_sample_slowdown": ("gauge", (),
+                                         "1 = the rotating sample runs at daemon.residency_interval / residency_pages_per_s; "
+                                         "2..daemon.residency_idle_slowdown = backed off, its windows found nothing changed."),
     "kvtier_source_cpu_seconds": ("counter", ("source", "where"),
                                   "CPU time of a hotness source: in the daemon's collect, or its kernel thread (kdamond)."),
     "kvtier_source_slowdown": ("gauge", ("source",),
@@ -421,6 +424,8 @@ class Collector:
         yield fam
         yield GaugeMetricFamily("kvtier_residency_pass_seconds", METRICS["kvtier_residency_pass_seconds"][2],
                                 value=s.residency_pass_seconds)
+        yield GaugeMetricFamily("kvtier_residency_sample_slowdown", METRICS["kvtier_residency_sample_slowdown"][2],
+                                value=s.residency_sample_slowdown)
 
     def _registry_metrics(self) -> Iterator[Metric]:
         s = self.stats

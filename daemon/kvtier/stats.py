@@ -130,6 +130,7 @@ class DaemonStats:
     residency_full_blocks_total: int = 0  # of those, measured page by page
     residency_passes_total: int = 0  # times the rotating sample went round the table
     residency_pass_seconds: float = 0.0  # how long the last round took
+    residency_sample_slowdown: int = 1  # the rotating sample's back-off (1 = full rate)
     # hotness sources: CPU of the daemon in collect, of their kernel threads
     # (kdamond), and their current slowdown (1 = every tick)
     source_cpu_seconds: collections.Counter = field(default_factory=collections.Counter)

@@ -207,7 +207,7 @@ def child(a: argparse.Namespace) -> int:
 # -- the measuring side ---------------------------------------------------------------
 
 
-def start_daemon(wd: str, port: int, daemon_path: str | None, extra: str) -> subprocess.Popen:
+def start_daemon(wd: str, port: int, daemon_path: str | None, extra: str, sets: list[str]) -> subprocess.Popen:
     sock = os.path.join(wd, "kvtierd.sock")
     cfg = os.path.join(wd, "kvtierd.toml")
     with open(cfg, "w") as f:
@@ -218,7 +218,7 @@ def start_daemon(wd: str, port: int, daemon_path: str | None, extra: str) -> sub
     env = dict(os.environ)
     if daemon_path:
         env["PYTHONPATH"] = os.path.join(daemon_path, "daemon")
-    p = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", "-c", cfg], env=env,
+    p = subprocess.Popen([sys.executable, "-m", "kvtier.daemon", "-c", cfg, *(f"--set={s}" for s in sets)], env=env,
                          stderr=open(os.path.join(wd, "log"), "w"))
     return wait_ready(p, sock, os.path.join(wd, "log"))
 
@@ -262,7 +262,7 @@ def run_cell(a: argparse.Namespace, total: int, nregions: int, rate: int) -> dic
     with tempfile.TemporaryDirectory(prefix="kvtier-scale-") as wd:
         port = free_port()
         others = set(kdamond_cpu())  # kdamonds of other users of this host are not ours
-        d = start_daemon(wd, port, a.daemon_path, a.daemon_config)
+        d = start_daemon(wd, port, a.daemon_path, a.daemon_config, a.set)
         sock = os.path.join(wd, "kvtierd.sock")
         w = None
         try:
@@ -376,6 +376,8 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=25.0)
     ap.add_argument("--warmup", type=float, default=5.0)
     ap.add_argument("--ingest", type=int, default=10_000_000, help="block hints in the ingestion test (0: skip)")
+    ap.add_argument("-s", "--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="a config key for the daemon (kvtierd --set), repeatable")
     ap.add_argument("--daemon-path", help="source tree whose daemon/ to run (e.g. an export of main)")
     ap.add_argument("--daemon-config", default="", help="extra TOML appended to the daemon's config")
     ap.add_argument("--json")

@@ -10,6 +10,7 @@ time.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import mmap
 import os
 from pathlib import Path
@@ -222,6 +223,7 @@ def test_a_small_table_is_sampled_once_per_residency_interval(rig):
     # measured whole after its first look (in the guest that second pass
     # was 1 s of the measuring thread beside the first hot set's move).
     engine, registry, table, region, ticks = rig
+    engine.residency_idle_slowdown = 1  # no back-off (the next test has it)
     region(128 * BLOCK, touch=list(range(128)))
     out = ticks(50)
     assert out[0] == (128, 0, 128 * SAMPLE)  # the first look
@@ -231,6 +233,47 @@ def test_a_small_table_is_sampled_once_per_residency_interval(rig):
     assert all(out[i] == (128, 0, 128 * SAMPLE) for i in jobs)
     assert (table.tier == 0).all()
     assert (table.flags & np.uint8(F_STALE | F_NOT_PRESENT) == 0).all()
+
+
+def test_the_sample_backs_off_while_it_finds_nothing_and_not_after_a_change(rig):
+    """Kills: a sample that never slows down on a quiet table (an idle
+    daemon then pays the full budget for nothing), one that slows past
+    residency_idle_slowdown, one that stays slow after a window found a
+    block away from where the table had it, and one that counts a block
+    seen for the first time as such a change (a sparse pool would then
+    never back off)."""
+    engine, registry, table, region, ticks = rig
+    engine.residency_idle_slowdown = 4
+    rid = region(128 * BLOCK, touch=[b for b in range(128) if b != 77])
+    out = ticks(80)
+    jobs = [i for i, (blocks, _, _) in enumerate(out) if blocks]
+    # Each whole pass that found no block away from its known tier (the
+    # first look included) doubles the interval: 10 s -> 20 s -> 40 s, and
+    # no further (4x).
+    assert jobs == [0, 20, 60]
+    assert engine.stats.residency_sample_slowdown == 4
+    row = table.slices[rid].start + 77
+    assert table.tier[row] < 0  # never written: nowhere yet
+    ctypes.memset(int(table.addr[row]), 1, BLOCK)  # the owner writes it, unhinted
+    out = ticks(45)
+    jobs = [i for i, (blocks, _, _) in enumerate(out) if blocks]
+    assert jobs == [20]  # the 4x pass finds it: news, not drift
+    assert table.tier[row] == 0
+    assert engine.stats.residency_sample_slowdown == 4
+    # The table believes block 5 is in the lower tier (as after a pageout
+    # its reader faulted straight back in, unseen): the next pass finds it
+    # in DRAM, and the sample is back at full rate.
+    moved = table.slices[rid].start + 5
+    table.tier[moved] = 1
+    out = ticks(40)
+    sampled = [i for i, (blocks, whole, _) in enumerate(out) if blocks > whole]
+    # the 4x pass that finds it (40 s after the last; the block is measured
+    # whole at the next tick), the next pass at full rate (10 s), which
+    # agrees again: the back-off starts over (2x)
+    assert sampled == [15, 25]
+    assert [i for i, (_, whole, _) in enumerate(out) if whole] == [16]
+    assert table.tier[moved] == 0
+    assert engine.stats.residency_sample_slowdown == 2
 
 
 def test_a_first_look_that_finds_part_of_a_window_is_followed_by_a_whole_measurement(rig):
