@@ -196,6 +196,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("daemon", "residency_sample_pages", int, 16,
            "Pages per block in the rotating sample's window; a block it finds elsewhere is measured whole.",
            1, 1 << 20),
+    Option("daemon", "move_threads", int, 0,
+           "Threads one migration may use: a large move_pages is cut into that many parts moved at once; "
+           "0 = the CPUs the daemon may run on, at most 4.", 0, 256),
     Option("daemon", "source_cpu_budget", float, 0.05,
            "Share of one core each hotness source may use (its collect plus its kernel thread); "
            "above it the source runs less often and says so in status and metrics.", 0.0001, 64.0),

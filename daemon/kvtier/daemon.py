@@ -116,7 +116,7 @@ class Daemon:
                                  ProcProcesses(d.proc_root), self.watcher, on_change=self._state_dirty,
                                  recorder=self.recorder)
         self.topology = topo_mod.discover(d.sys_root, d.proc_root, topology_overrides(cfg))
-        self.migrator = Migrator(proc_root=d.proc_root, dry_run=d.dry_run)
+        self.migrator = Migrator(proc_root=d.proc_root, dry_run=d.dry_run, move_threads=d.move_threads)
         # A dry run observes for real (DAMON monitoring moves no page): its
         # plans are then the ones the daemon would make.
         self.sources = sources_mod.build(source_tables(cfg), d.sys_root, d.proc_root)
@@ -319,6 +319,7 @@ class Daemon:
         self.watch.rules = watch_mod.parse_rules(new.watch)
         self.watch_schedule.interval = new.daemon.watch_interval
         self.migrator.dry_run = new.daemon.dry_run
+        self.migrator.move_threads = new.daemon.move_threads
         self.stats.dry_run = new.daemon.dry_run
         logs.setup(new.daemon.log_level)
         self._reload_sources(old, new)

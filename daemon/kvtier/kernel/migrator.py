@@ -47,6 +47,7 @@ import os
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -60,6 +61,13 @@ from kvtier.kernel.procfs import PM_EXCLUSIVE, PM_PRESENT, PM_SWAP, Pagemap, rea
 # Pages per move_pages call: large enough that syscall overhead vanishes,
 # small enough that one call does not hold the target's mmap lock for long.
 DEFAULT_BATCH_PAGES = 1 << 16
+# A move is cut into parts of at least this many pages, each one
+# move_pages call on its own thread (``move_threads``): below it one call
+# does the work and a thread's hand-off would cost more than it saves.
+MIN_PART_PAGES = 1024
+# Threads a move may use when not configured: the CPUs the daemon may run
+# on, at most this many.
+MAX_AUTO_MOVE_THREADS = 4
 # Re-query/retry rounds for -EBUSY pages before calling them pinned.
 BUSY_RETRIES = 2
 # A dry run keeps its last calls, not all of them: it may run for weeks.
@@ -230,15 +238,19 @@ class Migrator:
         batch_pages: int = DEFAULT_BATCH_PAGES,
         page_size: int = native.PAGE_SIZE,
         max_node: int | None = None,
+        move_threads: int = 0,
     ):
         self.proc_root = proc_root
         self.dry_run = dry_run
         self.batch_pages = batch_pages
+        self.move_threads = move_threads
+        self._parts_pool: ThreadPoolExecutor | None = None
+        self._pool_size = 0
         self.page_size = page_size
         self.max_node = native.numa_max_node() if max_node is None else max_node
         self.record: deque[dict] = deque(maxlen=DRY_RUN_RECORD)  # dry run: the calls not made
-        # One move at a time: two concurrent move_pages on one process only
-        # contend in the kernel. Measuring (residency, query_nodes) runs on
+        # One move at a time (a move's parts run on threads of their own,
+        # _move_all). Measuring (residency, query_nodes) runs on
         # its own thread beside the moves, so that a long move never delays
         # the measurement hinted promotions wait for: the scratch buffers are
         # therefore per thread.
@@ -370,11 +382,53 @@ class Migrator:
         status = self._move_all(pid, layout.addrs, node)
         return self._result("move", f"node {node}", layout, status, node, t0, pid)
 
+    def threads(self) -> int:
+        """Threads one move may use: ``move_threads``, or with 0 the CPUs
+        this process may run on (at most MAX_AUTO_MOVE_THREADS)."""
+        if self.move_threads > 0:
+            return self.move_threads
+        return max(1, min(len(os.sched_getaffinity(0)), MAX_AUTO_MOVE_THREADS))
+
+    def _pool(self) -> ThreadPoolExecutor:
+        """The threads that move a move's parts, ``threads()`` of them
+        (made again when a reload changed that)."""
+        n = self.threads()
+        if self._parts_pool is None or self._pool_size != n:
+            if self._parts_pool is not None:
+                self._parts_pool.shutdown(wait=False)
+            self._parts_pool, self._pool_size = ThreadPoolExecutor(n, thread_name_prefix="kvtier-move"), n
+        return self._parts_pool
+
+    def _parts(self, n: int) -> list[tuple[int, int]]:
+        """[lo, hi) page ranges of a move of ``n`` pages: as many equal parts
+        as threads, none below MIN_PART_PAGES, each cut at batch_pages."""
+        k = max(1, min(self.threads(), n // MIN_PART_PAGES))
+        edges = [n * i // k for i in range(k + 1)]
+        return [(i, min(i + self.batch_pages, hi)) for lo, hi in zip(edges, edges[1:])
+                for i in range(lo, hi, self.batch_pages)]
+
     def _move_all(self, pid: int, addrs: np.ndarray, node: int) -> np.ndarray:
-        """move_pages over the whole batch in batch_pages chunks, busy pages resolved."""
+        """move_pages over the whole batch, busy pages resolved.
+
+        The kernel migrates a move_pages call's pages on the calling CPU, one
+        batch after another; a large move is therefore cut into parts moved
+        by several threads at once (cffi releases the GIL in the call), so
+        it uses every CPU the daemon may use instead of one. Parts are
+        disjoint ranges of pages of one process, and move_pages takes the
+        process's mmap lock shared, so the calls run side by side."""
         status = self._buf("status", len(addrs), np.int32)
-        for i in range(0, len(addrs), self.batch_pages):
-            native.move_pages(pid, addrs[i : i + self.batch_pages], node, status=status[i : i + self.batch_pages])
+        parts = self._parts(len(addrs))
+
+        def part(bounds: tuple[int, int]) -> None:
+            lo, hi = bounds
+            native.move_pages(pid, addrs[lo:hi], node, status=status[lo:hi])
+
+        if len(parts) == 1:
+            part(parts[0])
+        else:
+            pool = self._pool()
+            for fut in [pool.submit(part, b) for b in parts]:
+                fut.result()  # every part ends before the statuses are read; the first error raises
         return self._resolve_busy(pid, addrs, status, node)
 
     def _resolve_busy(self, pid: int, addrs: np.ndarray, status: np.ndarray, node: int) -> np.ndarray:
