@@ -281,12 +281,13 @@ HINT_APIS = ("set", "call")  # Region.hint_set + touch() per pass / Region.hint(
 
 
 def run_mode(mode: str, seconds: float, log_level: str = "info", sample_s: float = 0.25,
-             hint_api: str = "set") -> dict:
+             hint_api: str = "set", overrides: tuple[str, ...] = ()) -> dict:
     from kvchild import KVChild
     from kvtier.kernel import native
 
     page = native.PAGE_SIZE
     tag = mode + ("-call" if mode == "kvtier_hints" and hint_api == "call" else "")  # names its log files
+    tag += "".join(f"-{kv}" for kv in overrides)
     write(NUMA_BALANCING, 0)
     child = KVChild(POOL)
     damos = None
@@ -318,7 +319,7 @@ def run_mode(mode: str, seconds: float, log_level: str = "info", sample_s: float
         if mode.startswith("kvtier"):
             from kvtier.client import Client
 
-            daemon = Kvtierd(log_level, daemon_set)
+            daemon = Kvtierd(log_level, daemon_set + overrides)
             registering = time.time()
             if py_spy and log_dir is not None:
                 daemon.spy(log_dir / f"kvtierd-{tag}.pyspy.txt")
@@ -448,6 +449,7 @@ def run_mode(mode: str, seconds: float, log_level: str = "info", sample_s: float
         delta = {k: vm1.get(k, 0) - vm0.get(k, 0) for k in VMSTAT_KEYS}
         return {
             "mode": mode,
+            **({"overrides": list(overrides)} if overrides else {}),
             **({"hint_api": hint_api} if hints else {}),
             "wall_start": wall_start,
             "setup_move_s": round(setup_s, 2),
@@ -509,10 +511,12 @@ def guest_main(args) -> None:
     log_dir = Path(args.out).parent
     py_spy = args.py_spy
     daemon_set = tuple(args.daemon_set)
-    for mode in args.modes:
+    for spec in args.modes:
+        mode, *overrides = spec.split("/")
         for api in (args.hint_api if mode == "kvtier_hints" else ["set"]):
-            out["modes"].append(run_mode(mode, args.seconds, args.daemon_log_level, args.sample_s, api))
-            print(f"{mode}: done", flush=True)
+            out["modes"].append(run_mode(mode, args.seconds, args.daemon_log_level, args.sample_s, api,
+                                         tuple(overrides)))
+            print(f"{spec}: done", flush=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
 
 
@@ -573,6 +577,7 @@ def table(res: dict) -> str:
         if "migrate_hot_bytes" in m:
             mig += f" (hot {m['migrate_hot_bytes'] / MiB:.0f} up, cold {m['migrate_cold_bytes'] / MiB:.0f} down)"
         label = m["mode"] + (" (hint per call)" if m.get("hint_api") == "call" else "")
+        label += "".join(f" {kv}" for kv in m.get("overrides", ()))
         lines.append(
             f"| {label} | {ends} | {tt} | {mig} | {v['pgpromote_success']} / {v['numa_hint_faults']} "
             f"| {m['workload_cpu_s']} | {m.get('kdamond_cpu_s', '-')} | {m.get('kvtierd_cpu_s', '-')} "
@@ -607,7 +612,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=30.0, help="run length per mode")
     ap.add_argument("--modes", nargs="+",
-                    default=["none", "numa_tiering", "damos_paddr", "kvtier_hints", "kvtier_damon"])
+                    default=["none", "numa_tiering", "damos_paddr", "kvtier_hints", "kvtier_damon"],
+                    help="modes in the order run, repeats allowed; a kvtier mode may carry kvtierd config "
+                         "overrides of its own after slashes (kvtier_hints/daemon.move_threads=1)"),
     ap.add_argument("--hint-api", nargs="+", choices=HINT_APIS, default=["set"],
                     help="how kvtier_hints tells kvtierd of each pass: set = Region.hint_set, one touch() "
                          "per pass; call = region.hint(ids) per pass (before hint sets); both: the mode runs "
