@@ -323,3 +323,36 @@ def test_hints_count_where_their_blocks_were(rig, chunk):
         hits = {k: v - hits0.get(k, 0) for k, v in stats.hint_tier_blocks.items() if v != hits0.get(k, 0)}
         assert hits == want, (lo, hi)
         assert registry.hints_off_top - off0 == int((tier_of[blocks] != 0).sum()), (lo, hi)
+
+
+def test_the_rotating_sample_waits_while_the_mover_brings_blocks_up(rig):
+    """A tick while the mover promotes measures only what is queued: the
+    rotating sample would compete with the move for the CPUs and measure
+    pages the move is changing. It runs again, with what accrued, once the
+    mover demotes or is idle."""
+    from concurrent.futures import Future
+
+    from kvtier.engine import MoveJob
+
+    engine, registry, table, region, ticks = rig
+    region(64 << 20)  # 32 never-touched blocks: the sample looks at them
+    ticks(2)
+    stats, clock = engine.stats, engine.clock
+    up = np.array([1], dtype=np.int8), np.array([0], dtype=np.int8)
+    engine.mover.job = MoveJob.of_rows(table, np.array([0]), *up, clock.now)
+    engine.mover.future = Future()  # busy until the test says otherwise
+
+    def tick_measured() -> int:
+        b0 = stats.residency_blocks_total
+        clock.now += 1.0
+        engine.tick()
+        while engine.measurer.busy:
+            engine.loop.run_until_complete(asyncio.sleep(0.001))
+        return stats.residency_blocks_total - b0
+
+    # longer than residency_interval (10 s): the sample came due in there
+    assert [tick_measured() for _ in range(12)] == [0] * 12
+    engine.mover.job = MoveJob.of_rows(table, np.array([0]), up[1], up[0], clock.now)  # a demotion
+    assert tick_measured() == 32  # all that accrued, at once
+    engine.mover.future = engine.mover.job = None
+    assert sum(tick_measured() for _ in range(12)) > 0
