@@ -66,19 +66,19 @@ MAX_CLOCK_STRIDE = 16  # hint calls between clock reads, at most (Region.hint): 
 # HintSet.touch counts down to its next look at the clock. The pace of the
 # touches between two looks predicts how many fit before the set is due:
 # the next look is that many touches away, but never more than 1/LOOK_SHARE
-# of hint_interval at that pace, so a pace that drops (or a pause) makes a
-# flush late by at most about that much. At a steady pace that is about
-# LOOK_SHARE + 1 clock reads per interval, where a stride of 1-16 touches
-# (as Region.hint's) read it 16 times an interval at the guest workload's
-# pace (1.6 ms a pass; a clock read is a system call in the TCG guest,
-# whose clocksource is HPET).
+# of hint_interval at that pace, nor more than MAX_TOUCHES_PER_LOOK touches,
+# so a pace that drops (or a pause) makes a flush late by at most that many
+# touches at the new pace. At the guest workload's pace (1.6 ms a pass)
+# that is about LOOK_SHARE + 1 clock reads per interval, where a stride of
+# 1-16 touches (as Region.hint's) read it 16 times (a clock read is a
+# system call in the TCG guest, whose clocksource is HPET).
 LOOK_SHARE = 4
-# ... and in steps of at most COUNTDOWN_MAX touches: CPython keeps the ints
-# -5..256 as shared objects, so a countdown within them allocates nothing
-# per touch. An increment of a larger int makes a new object: in the guest,
-# between passes of a process touching 32 MiB, such a touch took 41 us
-# (p50) against 32 us counting down and 19 us for an empty call.
-COUNTDOWN_MAX = 256
+# ... and the countdown stays within the ints CPython keeps as shared
+# objects (-5..256), so a touch allocates nothing. An increment of a larger
+# int makes a new object: in the guest, between passes of a process
+# touching 32 MiB, such a touch took 41 us (p50) against 32 us counting
+# down and 19 us for an empty call.
+MAX_TOUCHES_PER_LOOK = 32
 _RING_BAD = (hintring.BAD_REGION, hintring.BAD_BLOCK, hintring.BAD_HEAD)
 _BLOCKS_DTYPE = np.dtype(protocol.BLOCKS_DTYPE)  # numpy's built-in dtypes are singletons: ``is`` compares
 _clock = time.monotonic  # the hint set's clock (a name to replace in tests)
@@ -574,13 +574,12 @@ class HintSet:
     ``touch()`` counts down (in ints CPython keeps cached: no allocation)
     to its next look at the clock, which the pace of the touches before
     places where the set is due, within a quarter of ``hint_interval``
-    (LOOK_SHARE): about five clock reads an interval at a steady pace,
-    whatever the pace. Once ``hint_interval`` has passed since the last
-    flush, the look sends the counts. The first touch of a set, or after
-    an interval without a flush, is sent at once if it looks at the clock;
-    a touch after a pause in a run of touches is sent at the next look,
-    within a quarter interval at the pace before the pause (it is the one
-    a promotion waits for).
+    (LOOK_SHARE) and 32 touches (MAX_TOUCHES_PER_LOOK): about five clock
+    reads an interval at a pace of 1.6 ms a step. Once ``hint_interval``
+    has passed since the last flush, the look sends the counts. The first
+    touch of a set is sent at once; after a pause, or when the steps slow
+    down, the counts leave at the next look, at most 32 touches later (the
+    first touches after a pause are the ones a promotion waits for).
 
     A flush sends each block as often as it was read, through the hint ring
     where the connection has one (no system call), else on the socket;
@@ -600,10 +599,10 @@ class HintSet:
 
     def __init__(self, region: Region, blocks: Iterable[int] | np.ndarray = ()):
         self.region = region
-        # touch() counts down _left from _run; touches before that run: _base
-        # (so touches = _base + _run - _left). At _look_at touches, the clock.
+        # touch() counts down _left from _run, then looks at the clock;
+        # touches before that run: _base (so touches = _base + _run - _left)
         self._base = 0
-        self._run = self._left = self._look_at = 1  # the first touch looks
+        self._run = self._left = 1  # the first touch looks
         self._looked_at = _clock()  # when the clock was last read ...
         self._looked_touches = 0  # ... and the touches then: the pace
         self._sent_at = -math.inf
@@ -692,14 +691,11 @@ class HintSet:
         self.extend(b)
 
     def _due(self) -> None:
-        """touch() counted down to 0: count on, or look at the clock."""
+        """touch() counted down to 0: look at the clock, flush if due."""
         if self.closed:
             raise ValueError(f"hint set of region {self.region.id} is closed")
         touches = self._base = self._base + self._run - self._left
         self._run = self._left = 0  # (touches stays right if a flush below raises)
-        if touches < self._look_at:
-            self._run = self._left = min(self._look_at - touches, COUNTDOWN_MAX)
-            return
         now = _clock()
         interval = self.region.client.hint_interval
         if now - self._sent_at >= interval:
@@ -708,13 +704,12 @@ class HintSet:
         # set's next flush (a quarter interval at most) at the pace since
         # the last look, and one more, so that at a steady pace the look
         # lands just past the flush's time, not just before it. (A clock
-        # that did not move: twice as many as since the last look.)
+        # that did not move: the most.)
         wait = min(self._sent_at + interval - now, interval / LOOK_SHARE)
-        span, came = now - self._looked_at, touches - self._looked_touches
-        step = int(came * wait / span) + 1 if span > 0 else 2 * came
+        span = now - self._looked_at
+        step = int((touches - self._looked_touches) * wait / span) + 1 if span > 0 else MAX_TOUCHES_PER_LOOK
         self._looked_at, self._looked_touches = now, touches
-        self._look_at = touches + step
-        self._run = self._left = min(step, COUNTDOWN_MAX)
+        self._run = self._left = min(step, MAX_TOUCHES_PER_LOOK)
 
     def _take(self) -> list[tuple[np.ndarray, np.ndarray | int]]:
         """What is counted and not sent: (blocks, counts per block, or one
