@@ -502,6 +502,7 @@ class Engine:
         self._hot_rows: list[np.ndarray] = []
         self._hot_gen = -1
         self._hot_queued = False
+        self._hot_queued_at = 0.0  # monotonic time the queued rows' first arrived (debug log)
         # DRAM had no room for them at the last look: no look again until a
         # move or a measurement changes what DRAM holds (hints come every
         # few ms; the room does not change between them)
@@ -1082,6 +1083,7 @@ class Engine:
         self._hot_rows.append(lower)
         if not self._hot_queued:
             self._hot_queued = True
+            self._hot_queued_at = time.monotonic()
             self.loop.call_soon(self._promote_hot)
 
     def _promote_hot(self) -> None:
@@ -1092,6 +1094,7 @@ class Engine:
         else stay with the tick's plan. Work per queued row, not per block:
         DRAM's use is summed only when some row qualifies."""
         self._hot_queued = False
+        queued_at = self._hot_queued_at
         rows, self._hot_rows = self._hot_rows, []
         if not rows or self._hot_gen != self.registry.generation or self._dram_full:
             return
@@ -1129,6 +1132,9 @@ class Engine:
         self.scheduled.append((t.region[rows].astype(np.int64), t.index[rows].astype(np.int64),
                                np.zeros(rows.size, dtype=np.int8), now, False))
         self.kick()
+        if log.isEnabledFor(logging.DEBUG):  # the loop's share of a hint's way to the mover
+            logs.event(log, "hot_promote", logging.DEBUG, blocks=int(rows.size), mover_busy=self.mover.busy,
+                       queued_s=round(time.monotonic() - queued_at, 4))
 
     def _dram_room(self) -> float:
         """``dram_room`` for the daemon's DRAM now: its use from the table,
