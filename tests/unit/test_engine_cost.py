@@ -335,6 +335,7 @@ def test_the_rotating_sample_waits_while_the_mover_brings_blocks_up(rig):
     from kvtier.engine import MoveJob
 
     engine, registry, table, region, ticks = rig
+    engine.residency_idle_slowdown = 1  # the sample at its full rate: what it skips is then plain
     region(64 << 20)  # 32 never-touched blocks: the sample looks at them
     ticks(2)
     stats, clock = engine.stats, engine.clock
