@@ -52,6 +52,20 @@ _PEERCRED = struct.Struct("3i")
 # Stop answering (and reading from) a client whose unread answers exceed
 # this: a client that pipelines without reading must not grow our memory.
 WRITE_HIGH_WATER = 4 * 1024 * 1024
+# ...and the unread answers of all of one uid's connections together: each
+# connection's high water is UNREAD_BYTES_PER_UID divided by its uid's open
+# connections (within [MIN_WRITE_HIGH_WATER, WRITE_HIGH_WATER]), set again
+# whenever that count changes. Every answer queued for a client that never
+# reads it is loop time spent for nothing, taken from every other client:
+# with a fixed 4 MiB per connection, robustness.py's flood (ten connections
+# of one uid, pipelined `stats` never read) was answered 18,000 times, 1.7 s
+# of the loop's CPU under attack, and a uid opening its 128 connections
+# could make that 230,000 answers (and 512 MiB). Per uid, what a client
+# that stops reading costs the daemon no longer grows with the connections
+# it opens. A client that reads is not slowed: the high water only bounds
+# how far ahead of its reading the daemon answers.
+UNREAD_BYTES_PER_UID = 8 * 1024 * 1024
+MIN_WRITE_HIGH_WATER = 64 * 1024
 # One connection's turn on the loop: at most this many frames, this much
 # time and this many answer bytes before every other ready connection gets
 # its turn. Server.run_queue runs one backlogged turn per loop iteration, so
@@ -1255,7 +1269,8 @@ class TokenBucket:
 class Connection(asyncio.Protocol):
     """One client. Frames are answered in turns: at most FRAMES_PER_TURN
     frames, TURN_SECONDS of work or TURN_ANSWER_BYTES of answers, and never
-    while more than WRITE_HIGH_WATER bytes of answers wait unread. A turn
+    while more than its high water of answers waits unread (its share of
+    UNREAD_BYTES_PER_UID, at most WRITE_HIGH_WATER). A turn
     that leaves frames unanswered stops reading the socket and joins the
     server's run queue behind every other backlogged connection, so one
     client pipelining thousands of requests gets its share of the loop, not
@@ -1277,6 +1292,7 @@ class Connection(asyncio.Protocol):
         self.held = 0  # bytes of input accounted to the uid (Server.hold)
         self.frame_started = 0.0  # monotonic time the incomplete frame began; 0 = none
         self.last_request = time.monotonic()
+        self.high_water = WRITE_HIGH_WATER  # unread answer bytes above which its turns stop (Server.admit)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -1286,7 +1302,6 @@ class Connection(asyncio.Protocol):
         if refuse:
             self._fail(protocol.ProtocolError(protocol.E_LIMIT, refuse, fatal=True))
             return
-        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
         self.server.api.connected(self.peer, self._push, self._hung_up)
 
     def _push(self, name: str, body: dict) -> None:
@@ -1323,6 +1338,14 @@ class Connection(asyncio.Protocol):
     def resume_writing(self) -> None:
         self.write_paused = False
         self._carry_on()
+
+    def set_high_water(self, high: int) -> None:
+        """Unread answers above ``high`` pause this connection's turns
+        (asyncio calls pause_writing at once if the buffer is above it
+        already, resume_writing once it drains below a quarter of it)."""
+        self.high_water = high
+        if self.transport is not None and not self.closing:
+            self.transport.set_write_buffer_limits(high=high)
 
     def _update_reading(self) -> None:
         if self.transport is None or self.closing:
@@ -1380,7 +1403,7 @@ class Connection(asyncio.Protocol):
         for n in range(FRAMES_PER_TURN):
             if self.waiting is not None:
                 break
-            if self.write_paused or tr.get_write_buffer_size() + held >= WRITE_HIGH_WATER:
+            if self.write_paused or tr.get_write_buffer_size() + held >= self.high_water:
                 break  # resume_writing queues the next turn
             if n:
                 now = time.monotonic()
@@ -1710,7 +1733,7 @@ class Server:
         self.proc_root = proc_root
         self.activated = bool(self.inherited_fds)
         self.conns: set[Connection] = set()
-        self.per_uid: dict[int, int] = {}
+        self.per_uid: dict[int, set[Connection]] = {}  # uid -> its open connections
         self.pending_per_uid: dict[int, int] = {}
         self._servers: list[asyncio.base_events.Server] = []
         self._own_socket = False
@@ -1767,16 +1790,26 @@ class Server:
             reserved = "" if conn.peer.privileged else \
                 f"; {lim.reserved_connections} more are reserved for root and admin_group (limits.reserved_connections)"
             return f"daemon has {len(self.conns)} connections (limits.max_connections){reserved}"
-        if self.per_uid.get(uid, 0) >= lim.max_connections_per_uid:
+        if len(self.per_uid.get(uid, ())) >= lim.max_connections_per_uid:
             st.connections_refused += 1
-            return f"uid {uid} has {self.per_uid[uid]} connections (limits.max_connections_per_uid)"
+            return f"uid {uid} has {len(self.per_uid[uid])} connections (limits.max_connections_per_uid)"
         self.conns.add(conn)
-        self.per_uid[uid] = self.per_uid.get(uid, 0) + 1
+        self.per_uid.setdefault(uid, set()).add(conn)
+        self._share_unread(uid)
         st.connections_open = len(self.conns)
         st.connections_total += 1
         if self._sweeper is None:
             self._sweeper = asyncio.get_running_loop().call_later(SWEEP_INTERVAL, self._sweep)
         return ""
+
+    def _share_unread(self, uid: int) -> None:
+        """Split UNREAD_BYTES_PER_UID between ``uid``'s open connections
+        (O(its connections), at most max_connections_per_uid, at each of
+        its connects and closes)."""
+        mine = self.per_uid[uid]
+        high = min(WRITE_HIGH_WATER, max(MIN_WRITE_HIGH_WATER, UNREAD_BYTES_PER_UID // len(mine)))
+        for c in mine:
+            c.set_high_water(high)
 
     def others_ready(self) -> bool:
         """Whether the loop's poll set has anything ready now (a read, a
@@ -1827,8 +1860,11 @@ class Server:
         if conn in self.conns:
             self.conns.discard(conn)
             uid = conn.peer.uid
-            self.per_uid[uid] -= 1
-            if not self.per_uid[uid]:
+            mine = self.per_uid[uid]
+            mine.discard(conn)
+            if mine:
+                self._share_unread(uid)
+            else:
                 del self.per_uid[uid]
             self.hold(conn, 0)
         self.stats.connections_open = len(self.conns)

@@ -436,6 +436,67 @@ def test_unread_answers_stop_the_daemon_answering(workdir):
         assert d.stop() == 0
 
 
+def test_unread_answers_are_bounded_per_uid_not_per_connection(workdir):
+    """Defect 2: a uid that opens many connections, each pipelining big
+    requests it never reads, gets about server.UNREAD_BYTES_PER_UID of
+    answers made for all of them together, not WRITE_HIGH_WATER (4 MiB)
+    each: every answer made for nobody is loop time taken from the other
+    clients (robustness.py's flood). Reading them later loses none."""
+    import mmap
+
+    from kvtier.server import MIN_WRITE_HIGH_WATER, UNREAD_BYTES_PER_UID, WRITE_HIGH_WATER
+
+    nconn, n = 16, 100
+    assert UNREAD_BYTES_PER_UID // nconn >= MIN_WRITE_HIGH_WATER
+    d = DaemonProc(workdir, FLOOD_LIMITS).start()
+    buf = mmap.mmap(-1, 4096 * 4096)
+    try:
+        with d.client() as c:
+            region = c.register(buf, block_size=4096)
+            frame = protocol.frame(msgspec.msgpack.encode({"op": "blocks", "id": 9, "region": region.id}))
+            bads = [_connect(d.sock) for _ in range(nconn)]
+            for b in bads:
+                b.setsockopt(socket.SOL_SOCKET, SO_SNDBUFFORCE, 8 << 20)
+                b.sendall(frame * n)
+            # One answer's size on the wire, from a connection that reads it.
+            probe = _connect(d.sock)
+            probe.sendall(frame)
+            preader = protocol.FrameReader(1 << 30)
+            got: list[bytes] = []
+            while not got:
+                got += preader.feed(probe.recv(1 << 20))
+            answer = protocol.HEADER_SIZE + len(got[0])
+
+            def settled():
+                a = c.stats()["requests"].get("blocks", 0)
+                time.sleep(0.3)
+                return a if a == c.stats()["requests"].get("blocks", 0) and a > nconn else None
+
+            answered = wait_for(settled, "the daemon to stop answering the unread clients") - 1  # the probe's
+            # What the kernel holds of a connection's answers besides the
+            # daemon's own buffer: its socket's send buffer (the daemon sets none).
+            kernel = int(open("/proc/sys/net/core/wmem_default").read())
+            bound = UNREAD_BYTES_PER_UID + nconn * (kernel + 2 * answer)
+            per_conn_before = nconn * WRITE_HIGH_WATER  # what 4 MiB per connection allowed
+            assert answered * answer <= bound < per_conn_before, (
+                f"{answered} answers ({answered * answer >> 10} KiB) made for {nconn} connections that read none; "
+                f"bound {bound >> 10} KiB")
+            for b in bads:
+                got = 0
+                breader = protocol.FrameReader(1 << 30)
+                while got < n:
+                    for payload in breader.feed(b.recv(1 << 20)):
+                        r = protocol.decode_response(payload)
+                        assert r.ok and r.id == 9
+                        got += 1
+                b.close()
+            probe.close()
+            region.unregister()
+    finally:
+        buf.close()
+        assert d.stop() == 0
+
+
 def test_answers_stay_within_max_message_bytes_and_page(workdir):
     """Defect 2: a `blocks` or `query` answer never exceeds max_message_bytes;
     it carries `next` and the client library pages through the rest."""
@@ -529,6 +590,63 @@ def test_stalled_frame_and_idle_connection_are_closed(workdir):
         busy.close()
     finally:
         assert d.stop() == 0
+
+
+def test_a_frame_cut_by_the_clients_shutdown_is_dropped_unanswered(daemon):
+    """Item 12 (docs/protocol.md 6.1, "closes or shuts down its side in the
+    middle of a frame"): the complete frames before the cut are answered,
+    the partial one is not, and the daemon closes the connection."""
+    s = _connect(daemon.sock)
+    stats = protocol.frame(msgspec.msgpack.encode({"op": "stats", "id": 3}))
+    s.sendall(stats + stats + stats[: len(stats) // 2])
+    s.shutdown(socket.SHUT_WR)
+    reader = protocol.FrameReader(1 << 30)
+    got: list[bytes] = []
+    while data := s.recv(1 << 20):  # b"": the daemon closed its side
+        got += reader.feed(data)
+    assert [protocol.decode_response(p).id for p in got] == [3, 3]
+    assert reader.pending == 0, "a partial answer"
+    s.close()
+    with daemon.client() as c:
+        wait_for(lambda: c.request("status")["connections"] == 1, "the cut connection to be closed")
+        assert not any(k.startswith("frame:") for k in c.stats()["errors"]), c.stats()["errors"]
+
+
+OWNER_OPS = DROP + r"""
+import json, mmap
+from kvtier import protocol
+from kvtier.client import Client, KvtierClientError
+drop(65534, 65534)
+buf = mmap.mmap(-1, 4 << 20); buf.write(b"\1" * len(buf))
+c = Client(sys.argv[1])
+r = c.register(buf, block_size=1 << 20)
+res = {}
+for op, kw in [("migrate", {"tier": 0}), ("pin", {"tier": 0}), ("unpin", {}), ("measure", {})]:
+    try:
+        c.request(op, region=r.id, **kw); res[op] = "ok"
+    except KvtierClientError as e:
+        res[op] = e.code
+print(json.dumps({"region": r.id, **res}), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_an_unprivileged_owner_may_migrate_and_pin_its_own_region(daemon):
+    """Item 12, decided: owner access covers migrate, pin and unpin
+    (docs/protocol.md section 4; security.admin_group is only for other
+    users' memory and regions): nobody moves, pins, unpins and measures its
+    own region. Others' regions stay refused
+    (test_unprivileged_client_cannot_use_others_regions)."""
+    p = subprocess.Popen([PY, "-c", OWNER_OPS, daemon.sock], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        got = json.loads(p.stdout.readline())
+        assert {k: v for k, v in got.items() if k != "region"} == {
+            "migrate": "ok", "pin": "ok", "unpin": "ok", "measure": "ok"}, got
+        (reg,) = daemon.regions()
+        assert reg["id"] == got["region"] and reg["owner_uid"] == NOBODY
+    finally:
+        p.kill()
+        p.wait()
 
 
 def test_incomplete_frames_are_capped_per_uid(workdir):

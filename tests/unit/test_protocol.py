@@ -252,3 +252,44 @@ def test_every_example_frame_in_protocol_md_is_what_the_code_sends():
             assert protocol.decode_request(doc[4:]) == protocol.decode_request(want[4:]), i
         else:
             assert doc.hex() == want.hex(), i
+
+
+def test_the_limits_protocol_md_states_are_the_code_defaults():
+    """Sections 1, 2 and 6.1 state the transport's limits as numbers; each
+    is the default the code uses (config.py for [limits], server.py for the
+    turns and the unread-answer high water), so the page cannot drift from
+    a changed default."""
+    import re
+
+    from kvtier import config, server
+    from protocol_doc import PROTOCOL_MD
+
+    text = " ".join(PROTOCOL_MD.read_text().split())
+    default = {o.key: o.default for o in config.OPTIONS}
+    mib, kib = 1 << 20, 1 << 10
+
+    def num(pattern: str) -> float:
+        m = re.search(pattern, text)
+        assert m, f"protocol.md no longer says {pattern!r}"
+        return float(m.group(1).replace(",", ""))
+
+    said = {
+        "limits.max_message_bytes": num(r"default 16 MiB = (\d+)"),
+        "limits.frame_timeout": num(r"`limits\.frame_timeout` \((\d+) s\)"),
+        "limits.idle_timeout": num(r"`limits\.idle_timeout` \((\d+) s;"),
+        "limits.max_pending_bytes_per_uid": num(r"`limits\.max_pending_bytes_per_uid` \((\d+) MiB\)") * mib,
+        "limits.max_connections_per_uid": num(r"`limits\.max_connections_per_uid` \((\d+)\)"),
+        "limits.max_connections": num(r"`max_connections` \((\d+)\) minus"),
+        "limits.reserved_connections": num(r"`limits\.reserved_connections` \((\d+)\)"),
+        "limits.requests_per_second": num(r"`limits\.requests_per_second` \(([\d,]+)/s sustained"),
+        "limits.request_burst": num(r"`limits\.request_burst` = ([\d,]+)\)"),
+    }
+    assert said == {k: default[k] for k in said}
+    assert protocol.DEFAULT_MAX_MESSAGE == default["limits.max_message_bytes"]
+    assert num(r"turns of at most (\d+) frames") == server.FRAMES_PER_TURN
+    assert num(r"frames, ([\d.]+) ms of work") / 1e3 == server.TURN_SECONDS
+    assert num(r"ms of work or (\d+) MiB of answers") * mib == server.TURN_ANSWER_BYTES
+    assert num(r"ends early \(checked every ([\d.]+) ms\)") / 1e3 == server.TURN_POLL_SECONDS
+    assert num(r"is unread: (\d+) MiB shared by all connections of its uid") * mib == server.UNREAD_BYTES_PER_UID
+    assert num(r"at most (\d+) MiB and at least \d+ KiB each") * mib == server.WRITE_HIGH_WATER
+    assert num(r"at most \d+ MiB and at least (\d+) KiB each") * kib == server.MIN_WRITE_HIGH_WATER
