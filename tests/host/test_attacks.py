@@ -194,9 +194,17 @@ def test_pipelined_flood_gets_turns_not_the_whole_loop(workdir):
         # The stats request is sent once the daemon has taken the first
         # bytes of the flood out of its socket (SIOCOUTQ: bytes sent and not
         # yet read), i.e. while it works through them (asyncio reads 256 KiB,
-        # ~7,500 frames, at a time).
+        # ~7,500 frames, at a time). The daemon is stopped while the flood
+        # is written: else it reads the first ~32 KiB the kernel queues (one
+        # skb), and a daemon that answered every frame of a read in one go
+        # (no turns at all) passed, its stats request waiting behind only
+        # those ~900.
         total = len(frame) * flood
-        bad.sendall(frame * flood)
+        d.proc.send_signal(signal.SIGSTOP)
+        try:
+            bad.sendall(frame * flood)
+        finally:
+            d.proc.send_signal(signal.SIGCONT)
         deadline = time.monotonic() + DEADLINE
         while _outq(bad) == total:  # spin: a poll interval would let the daemon run ahead
             assert time.monotonic() < deadline, "the daemon never read the flood"
