@@ -441,6 +441,7 @@ class Engine:
         self.measurer = _Worker("measure")
         self.collector = _Worker("collect")
         self.explainer = _Worker("explain")
+        self._closed = False  # shutdown() ran: callbacks still queued on the loop start no job
         self.last_tick = 0.0
         self.manual: list[ManualMove] = []
         self.tickets: dict[int, MoveTicket] = {}  # operator moves not finished
@@ -1314,6 +1315,11 @@ class Engine:
         return isinstance(job, MoveJob) and bool(((job.dst < job.src) & (job.src >= 0)).any())
 
     def _submit(self, worker: _Worker, run, finish, job) -> None:
+        if self._closed:
+            # A measure_soon or kick the loop had queued (a timer, a
+            # registration's first look) runs after the daemon stopped its
+            # workers: nothing is started any more.
+            return
         t_submit = time.monotonic()
         fut = worker.executor.submit(run, job)
         worker.future = fut
@@ -2267,6 +2273,7 @@ class Engine:
                     pass
 
     def shutdown(self) -> None:
+        self._closed = True
         for w in (self.mover, self.measurer, self.collector, self.explainer):
             w.executor.shutdown(wait=True, cancel_futures=True)
         for source in self.sources:

@@ -357,3 +357,18 @@ def test_the_rotating_sample_waits_while_the_mover_brings_blocks_up(rig):
     assert tick_measured() == 32  # all that accrued, at once
     engine.mover.future = engine.mover.job = None
     assert sum(tick_measured() for _ in range(12)) > 0
+
+
+def test_work_queued_on_the_loop_starts_no_job_after_shutdown(rig):
+    """Kills: a first look (or any measure_soon/kick) queued on the loop
+    before the daemon stopped, run after Engine.shutdown: submitting to a
+    shut-down executor raised RuntimeError and put a traceback in the log
+    at every such stop (a host test's teardown caught one)."""
+    engine, registry, table, region, ticks = rig
+    errors = []
+    engine.loop.set_exception_handler(lambda loop, ctx: errors.append(ctx))
+    engine.registered(region(8 * BLOCK, touch=[0]))  # queues the first look: measure_soon next turn
+    engine.shutdown()
+    engine.loop.run_until_complete(asyncio.sleep(0.01))
+    assert errors == []
+    assert engine.measurer.future is None
