@@ -25,7 +25,7 @@ What it does, and why each part matters to the daemon:
   preallocated length, as StaticCache does) and counts one read of each of
   those blocks: each layer keeps a hint set (``Region.hint_set``) of its
   blocks holding tokens, grown by a block when the sequence crosses into
-  one, and touches it once per step (an increment; the counts go to the
+  one, and touches it once per step (a countdown; the counts go to the
   daemon every ``hint_interval``, as a hint of those blocks per step would
   have). Hints naming fewer blocks than are read make the daemon demote
   blocks that are read every step; naming more keeps cold ones in DRAM.
