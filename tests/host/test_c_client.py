@@ -40,13 +40,17 @@ NBLOCKS = 8  # kvtier_client.c's NBLOCKS
 # The C client hints once, in a burst, and reads the temperatures seconds
 # later: hotness.end_of_run = 0 keeps a burst from being taken as a
 # finished run (temperature 0) meanwhile, as docs/protocol.md advises for a
-# client that hints only now and then.
+# client that hints only now and then. min_residence_s holds the operator's
+# moves: at 0 the policy promoted block 3, hinted hot, from swap straight
+# back to DRAM (MADV_WILLNEED and process_vm_readv 50 ms after the pageout,
+# under strace) before the client's own "migrate back", which then answered
+# `already`: one fresh-clone CI run in three failed so.
 CONFIG = f"""\
     tick_interval = 0.1
     residency_interval = 0.5
     [policy]
     capacity = {{ "0" = {1 << 30} }}
-    min_residence_s = 0.0
+    min_residence_s = 60.0
     [hotness]
     end_of_run = 0
     """
