@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 from kvtier import hintring
 from kvtier.errors import ConfigError
-from kvtier.hotness import DEFAULT_TAU_S, END_OF_RUN
+from kvtier.hotness import DEFAULT_SOURCE_CPU_BUDGET, DEFAULT_TAU_S, END_OF_RUN
 from kvtier.kernel import sources
 from kvtier.kernel import topology
 from kvtier.kernel.sources.accessbits import MODES as ACCESS_BIT_MODES
@@ -199,7 +199,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("daemon", "move_threads", int, 0,
            "Threads one migration may use: a large move_pages is cut into that many parts moved at once; "
            "0 = the CPUs the daemon may run on, at most 4.", 0, 256),
-    Option("daemon", "source_cpu_budget", float, 0.05,
+    Option("daemon", "source_cpu_budget", float, DEFAULT_SOURCE_CPU_BUDGET,
            "Share of one core each hotness source may use (its collect plus its kernel thread); "
            "above it the source runs less often and says so in status and metrics.", 0.0001, 64.0),
     Option("daemon", "proc_root", str, "/proc", "procfs root (tests point it elsewhere).", lo=1, restart=True),

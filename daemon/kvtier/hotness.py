@@ -75,6 +75,15 @@ SOURCE_WEIGHTS = {
 # 90 % of a moved hot set back in the guest, before runs ended on silence).
 # 1 s would leave a DAMON-only block (a quarter weight, at most 5 per tick)
 # barely above promote_temp.
+# Share of one core each source may use (daemon.source_cpu_budget): its
+# collect plus its kernel thread. 0.05 left DAMON vaddr in the TCG guest
+# (about 0.05 of a vCPU at full rate there) backed off to every 2nd-4th
+# tick most of the time, and a moved hot set waited those ticks (2.5 s to
+# 90 % in DRAM against 1.5 s); at 0.1 kvtierd plus its kdamond stayed at
+# 0.30-0.37x of DAMOS paddr's kdamonds (docs/benchmarks.md). Natively
+# DAMON over the same range costs a small fraction of either.
+DEFAULT_SOURCE_CPU_BUDGET = 0.1
+
 DEFAULT_TAU_S = 5.0
 
 # A run of reads is over once its silence had less than exp(-END_OF_RUN)

@@ -137,6 +137,8 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
                                       "picks the block)."),
     "kvtier_dry_run_planned_bytes": ("counter", ("src", "dst"), "Bytes of those planned moves."),
     "kvtier_migration_duration_seconds": ("histogram", (), "Wall time of one migration job (a plan's moves)."),
+    "kvtier_source_follow_ups": ("counter", (), "Collects run between ticks because a source saw a block in a "
+                                 "lower tier read that it credits only once its next look agrees (DAMON's dumps)."),
     "kvtier_fault_prefetch_blocks": ("counter", (), "Blocks in swap paged in ahead of a reader: the "
                                      "hotness.perf_fault.prefetch_blocks after one that took major faults."),
     "kvtier_hot_promotions": ("counter", (), "Blocks hinted or observed hot in a lower tier and promoted into "
@@ -398,6 +400,8 @@ class Collector:
             dbytes.add_metric(labels, s.dry_run_bytes.get((src, dst), 0))
         yield from (dblocks, dbytes)
         yield _histogram("kvtier_migration_duration_seconds", s.migration_seconds_hist)
+        yield CounterMetricFamily("kvtier_source_follow_ups", METRICS["kvtier_source_follow_ups"][2],
+                                  value=s.source_follow_ups_total)
         yield CounterMetricFamily("kvtier_fault_prefetch_blocks", METRICS["kvtier_fault_prefetch_blocks"][2],
                                   value=s.fault_prefetch_blocks_total)
         yield CounterMetricFamily("kvtier_hot_promotions", METRICS["kvtier_hot_promotions"][2],

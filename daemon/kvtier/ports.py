@@ -97,6 +97,8 @@ class ObservationView(Protocol):
     rows: np.ndarray  # BlockTable rows as at the last set_targets
     counts: np.ndarray
     weight: float
+    prefetch: np.ndarray  # rows the source expects read soon (paged in from swap)
+    pending: np.ndarray  # rows seen read, not credited until the source's next collect agrees
 
     def __len__(self) -> int: ...
 

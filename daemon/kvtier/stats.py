@@ -145,6 +145,7 @@ class DaemonStats:
     engine_moves_dropped_total: int = 0
     engine_move_seconds_hist: Histogram = field(default_factory=lambda: Histogram(MIGRATION_BUCKETS))
     fault_prefetch_blocks_total: int = 0  # blocks paged in ahead of a reader (perf_fault prefetch_blocks)
+    source_follow_ups_total: int = 0  # collects asked for by a source's unconfirmed reads (Engine._follow_up)
     hot_promotions_total: int = 0  # hot blocks in a lower tier sent to free DRAM room between ticks
     config_reloads_total: int = 0
     config_reload_errors_total: int = 0

@@ -220,12 +220,14 @@ class FakeSource:
     def __init__(self):
         self.queue: list[Observation] = []
         self.targets = 0
+        self.calls = 0
         self.hold: threading.Event | None = None
 
     def set_targets(self, table, rows=None):
         self.targets += 1
 
     def collect(self, now):
+        self.calls += 1
         if self.hold is not None:
             assert self.hold.wait(10)
         return self.queue.pop(0) if self.queue else Observation("fake")
@@ -812,6 +814,82 @@ def test_sources_replaced_by_a_reload_wait_for_the_collect_in_flight(rig):
     assert closed == ["old"] and r.engine.sources == [new] and new.targets >= 1
     assert r.engine.pace["fake"].slowdown == 1
     assert r.table.temp[r.rows()][1] > 0
+
+
+def test_reads_a_source_has_not_confirmed_are_collected_again_before_the_next_tick(rig):
+    """DAMON credits a block only once two dumps agree, so with one collect
+    a tick a hot set moved to a lower tier waited two ticks for its
+    promotion. Kills: no follow-up collect; a follow-up asking for another
+    (a collect loop); a follow-up for pending blocks already in DRAM."""
+    r = rig(8, capacity={DRAM: 64 * BLOCK})
+    r.settle()
+    r.kernel.loc[: 4 * PPB] = SWAP
+    r.engine.request_measure()
+    r.tick()
+    assert r.tiers() == [SWAP_TIER] * 4 + [DRAM] * 4
+    rows = r.rows()
+
+    def settle_loop():
+        async def go():
+            for _ in range(50):
+                await asyncio.sleep(0.002)
+                while r.engine.future is not None:
+                    await asyncio.sleep(0.001)
+        r.loop.run_until_complete(go())
+
+    one = np.array([rows.start + 2])
+    # the tick's dump saw block 2 (in swap) read, not credited yet; the next one agrees
+    r.source.queue.append(Observation("fake", pending=one))
+    r.source.queue.append(Observation("fake", one, np.array([3.0], dtype=np.float32), 1.0, pending=one))
+    calls = r.source.calls
+    r.tick()
+    settle_loop()
+    assert r.source.calls == calls + 2  # the follow-up came before any tick, and asked for no other
+    assert r.stats.source_follow_ups_total == 1
+    assert r.table.temp[rows.start + 2] > 0
+    # pending reads of a block in DRAM: nothing waits on them
+    r.source.queue.append(Observation("fake", pending=np.array([rows.start + 6])))
+    r.tick()
+    settle_loop()
+    assert r.source.calls == calls + 3 and r.stats.source_follow_ups_total == 1
+
+
+def test_a_registration_is_handed_to_the_sources_before_the_next_tick(rig):
+    """DAMON's first dumps of a new range credit nothing while it splits
+    it, so a source targeted only at the next tick gave a new pool's hot set
+    a tick more to wait. Kills: no retarget at registration. A burst
+    retargets once (_retarget's generation check; the queued flag only
+    spares timers)."""
+    r = rig(4)
+    r.settle()
+    before = r.source.targets
+    for k in range(3):  # a burst: one retarget for all three
+        rid = r.registry.add(PID, BASE + (4 + 2 * k) * BLOCK, 2 * BLOCK, BLOCK, name=f"kv{k}").id
+        r.engine.registered(rid)  # the daemon wires registry.on_added to it
+
+    async def wait():
+        await asyncio.sleep(3 * engine_mod.RETARGET_COALESCE_S)
+
+    r.loop.run_until_complete(wait())
+    assert r.source.targets == before + 1
+
+
+def test_a_follow_up_collect_is_paced_over_the_tick_not_over_its_own_interval(rig):
+    """Kills: a follow-up's cost judged over the fraction of a tick since
+    the collect before it (every follow-up backed the source off in the
+    guest), and a follow-up's cost left out of the share."""
+    r = rig(4)
+    eng, src = r.engine, r.source
+    eng.source_cpu_budget = 0.1
+    p = eng.pace["fake"]
+    eng._pace(src, (0.0, None), 10.0)
+    eng._pace(src, (0.03, None), 10.2, True)  # 0.15 of a core over its own 0.2 s
+    assert p.slowdown == 1
+    eng._pace(src, (0.01, None), 11.0)
+    assert p.slowdown == 1 and p.share == pytest.approx(0.04)  # both collects over the second
+    eng._pace(src, (0.05, None), 11.2, True)
+    eng._pace(src, (0.08, None), 12.0)
+    assert p.share == pytest.approx(0.13) and p.slowdown == 2
 
 # -- thrash: a block paged out under its reader comes straight back (issue 13 item 6)
 

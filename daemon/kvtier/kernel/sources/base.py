@@ -63,6 +63,9 @@ class Observation:
     counts: np.ndarray = field(default_factory=lambda: _EMPTY_COUNTS)  # float32, > 0
     weight: float = 1.0
     prefetch: np.ndarray = field(default_factory=lambda: _EMPTY_ROWS)  # int64 rows
+    # rows seen read that the source does not credit yet (DAMON: the next
+    # dump must agree): collecting again soon would tell (Engine._follow_up)
+    pending: np.ndarray = field(default_factory=lambda: _EMPTY_ROWS)  # int64 rows
 
     def __len__(self) -> int:
         return int(self.rows.size)
@@ -94,13 +97,15 @@ class Source(abc.ABC):
         kvtier_source_events_total); read from the metrics thread."""
         return {}
 
-    def observation(self, rows: np.ndarray, counts: np.ndarray, prefetch: np.ndarray | None = None) -> Observation:
+    def observation(self, rows: np.ndarray, counts: np.ndarray, prefetch: np.ndarray | None = None,
+                    pending: np.ndarray | None = None) -> Observation:
         """Drop zero counts (they would still bump last_access) and package."""
         rows = np.asarray(rows, dtype=np.int64)
         counts = np.asarray(counts, dtype=np.float32)
         keep = counts > 0
         pf = _EMPTY_ROWS if prefetch is None else np.asarray(prefetch, dtype=np.int64)
-        return Observation(self.name, rows[keep], counts[keep], self.weight, pf)
+        pend = _EMPTY_ROWS if pending is None else np.asarray(pending, dtype=np.int64)
+        return Observation(self.name, rows[keep], counts[keep], self.weight, pf, pend)
 
 
 class BlockIndex:

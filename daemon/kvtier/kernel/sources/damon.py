@@ -27,7 +27,10 @@ never-read blocks of 128 into DRAM for good):
   next, while a block that is read is found so in every dump. A block is
   credited what its last two dumps agree on, the smaller of the two
   (``collect``): a boundary passing over it once is not a read of it. A
-  block that starts being read is credited from its second dump on.
+  block that starts being read is credited from its second dump on; the
+  first names it in the observation's ``pending``, and where such a block
+  is in a lower tier the engine collects again at once rather than a tick
+  later (``Engine._follow_up``).
 
 Kernel behaviour this relies on (Documentation/admin-guide/mm/damon/usage.rst):
 
@@ -429,7 +432,7 @@ class DamonSource(Source):
             return self.empty()  # no dump: no news (the last one stays what the next is held against)
         per_pid = self.split_by_target(regions)
         limit = self.region_size_limit()
-        rows_l, counts_l = [], []
+        rows_l, counts_l, pending_l = [], [], []
         for pid, regs in per_pid.items():
             if not regs:
                 continue
@@ -437,13 +440,21 @@ class DamonSource(Source):
             before = self.last_regions.get(pid)
             if before:
                 # what both dumps agree each block had (module docstring)
+                agreed = np.minimum(now_mean, self._block_means(pid, before, limit)[1])
                 rows_l.append(rows)
-                counts_l.append(np.minimum(now_mean, self._block_means(pid, before, limit)[1]))
+                counts_l.append(agreed)
+                # read more in this dump than the agreement credits: the
+                # next dump confirms it or not (the engine may ask for it
+                # at once instead of a tick later)
+                pending_l.append(rows[now_mean > agreed])
+            else:
+                pending_l.append(rows[now_mean > 0])
         # pids no longer watched are dropped; a pid missing from this dump keeps its last
         self.last_regions = {pid: per_pid[pid] or self.last_regions.get(pid, []) for pid in per_pid}
+        pending = np.concatenate(pending_l) if pending_l else None
         if not rows_l:
-            return self.empty()
-        return self.observation(np.concatenate(rows_l), np.concatenate(counts_l))
+            return self.observation(np.zeros(0, np.int64), np.zeros(0, np.float32), pending=pending)
+        return self.observation(np.concatenate(rows_l), np.concatenate(counts_l), pending=pending)
 
     def region_size_limit(self) -> int:
         """Bytes above which a region is one DAMON is still splitting: the
