@@ -16,6 +16,15 @@ forked and dropped to uid nobody, do what issue 12 found:
 * garbage: 5,000 random frames, answers read
 * conns: as many idle connections as the daemon gives uid nobody
 
+CPU groups (``--cpu-groups``, where the kernel has a cpu controller):
+kvtierd, the good client and the attackers each run in a CPU cgroup of
+their own, of equal weight, as a systemd host places them: kvtierd.service
+in system.slice, the engine a service or container of its own, local users
+in user.slice (each slice weight 100 by default). By default all share the
+bench's cgroup, so seven attacker processes get seven shares of the CPUs
+to the daemon's one (docs/benchmarks.md: on a quiet host the p99 ratio was
+the same either way).
+
 Reported: hostile frames sent, daemon crashes, the good client's p50/p99/max
 and requests over 100 ms in both phases, daemon RSS (idle, peak sampled
 every 20 ms, and VmHWM), fds and threads before and after.
@@ -207,10 +216,62 @@ def attacker(kind: str, path: str, seconds: float, tx) -> None:
 ATTACKS = ("flood", "blocks", "halfframes", "stall", "deep", "garbage", "conns")
 
 
+class CpuGroups:
+    """CPU cgroups of equal weight, one per name, under a fresh parent
+    (cgroup v1's cpu hierarchy, or v2 with the cpu controller enabled at
+    the root); None where neither is writable."""
+
+    def __init__(self, names: list[str]):
+        v1, v2 = "/sys/fs/cgroup/cpu", "/sys/fs/cgroup"
+        if os.path.exists(os.path.join(v1, "cpu.shares")):
+            self.root, self.weight_file, weight = v1, "cpu.shares", "1024"
+        elif "cpu" in open(os.path.join(v2, "cgroup.subtree_control")).read().split():
+            self.root, self.weight_file, weight = v2, "cpu.weight", "100"
+        else:
+            raise OSError("no cpu controller (cgroup v1 cpu, or v2 with +cpu at the root)")
+        self.parent = os.path.join(self.root, f"kvtier-robust-{os.getpid()}")
+        os.mkdir(self.parent)
+        if self.weight_file == "cpu.weight":
+            with open(os.path.join(self.parent, "cgroup.subtree_control"), "w") as f:
+                f.write("+cpu")
+        self.paths = {}
+        for n in names:
+            path = os.path.join(self.parent, n)
+            os.mkdir(path)
+            with open(os.path.join(path, self.weight_file), "w") as f:
+                f.write(weight)
+            self.paths[n] = path
+
+    def put(self, name: str, pid: int) -> None:
+        with open(os.path.join(self.paths[name], "cgroup.procs"), "w") as f:
+            f.write(str(pid))
+
+    def close(self) -> None:
+        for path in self.paths.values():
+            try:
+                with open(os.path.join(path, "cgroup.procs")) as f:
+                    pids = f.read().split()
+                for pid in pids:  # anything left goes back to the root
+                    with open(os.path.join(self.root, "cgroup.procs"), "w") as f:
+                        f.write(pid)
+                os.rmdir(path)
+            except OSError:
+                pass
+        try:
+            os.rmdir(self.parent)
+        except OSError:
+            pass
+
+
+GROUPS: CpuGroups | None = None
+
+
 def run_phase(ctx, sock: str, seconds: float, sched: "SchedSampler | None" = None) -> dict:
     rx, tx = ctx.Pipe(duplex=False)
     p = ctx.Process(target=good_client, args=(sock, seconds, tx))
     p.start()
+    if GROUPS is not None:
+        GROUPS.put("engine", p.pid)
     if sched is not None:
         sched.watch("good", p.pid)
     out = rx.recv()
@@ -233,6 +294,9 @@ def main() -> int:
     ap.add_argument("--trace", metavar="OUT.json",
                     help="where each good request waited: the daemon's loop timeline and every thread's "
                          "and process's CPU and run-queue wait (scripts/bench/robust_trace.py)")
+    ap.add_argument("--cpu-groups", action=argparse.BooleanOptionalAction, default=False,
+                    help="kvtierd, the good client and the attackers in CPU cgroups of equal weight, as "
+                         "systemd's slices place them (default: all in the bench's own)")
     a = ap.parse_args()
     kinds = [k for k in a.attacks.split(",") if k]
     if set(kinds) - set(ATTACKS):
@@ -257,7 +321,15 @@ def main() -> int:
         here = os.path.dirname(os.path.abspath(__file__))
         cmd = [sys.executable, os.path.join(here, "loop_profile.py"), os.path.abspath(profile),
                "--", "-c", cfg]
+    global GROUPS
+    if a.cpu_groups:
+        try:
+            GROUPS = CpuGroups(["daemon", "engine", "users"])
+        except OSError as e:
+            print(f"robustness: no CPU groups ({e}); all processes share one", file=sys.stderr)
     d = subprocess.Popen(cmd, stderr=open(log, "w"), env=env)
+    if GROUPS is not None:
+        GROUPS.put("daemon", d.pid)
     wait_ready(d, sock, log)
     sched = None
     if a.trace:
@@ -287,6 +359,8 @@ def main() -> int:
     attackers = [ctx.Process(target=attacker, args=(k, sock, a.seconds + 2, tx)) for k in kinds]
     for p in attackers:
         p.start()
+        if GROUPS is not None:
+            GROUPS.put("users", p.pid)
         if sched is not None:
             sched.watch(f"attacker:{kinds[attackers.index(p)]}", p.pid)
     attack = run_phase(ctx, sock, a.seconds, sched)
@@ -308,6 +382,7 @@ def main() -> int:
         "loadavg_after": os.getloadavg(), "attack_kinds": kinds,
         "hostile_frames": sum(r["sent"] for r in reports),
         "attacks": {r["kind"]: {"sent": r["sent"], "error": r["error"]} for r in reports},
+        "cpu_groups": GROUPS is not None,
         "daemon_crashed": crashed, "daemon_exit": rc, "tracebacks": text.count("Traceback"),
         "baseline": baseline, "attack": attack,
         "p99_ratio": attack["p99_ms"] / baseline["p99_ms"],
@@ -334,6 +409,8 @@ def main() -> int:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=2)
     subprocess.run(["rm", "-rf", work], check=False)
+    if GROUPS is not None:
+        GROUPS.close()
     return 1 if crashed or rc != 0 else 0
 
 
