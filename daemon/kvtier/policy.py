@@ -632,18 +632,8 @@ class _Tick:
         # A block its reader faulted straight back in after a pageout (the
         # engine's pageout returns) is barred from swap until retry_at, not
         # from every move: it is being read, so promoting it is exactly right.
-        barred = backoff & (snap["returns"] > 0) if "returns" in snap else np.zeros_like(backoff)
-        backoff &= ~barred
-        # ... while it is being read: once reads that were seen (a hint, a
-        # source) have ended (temperature 0, its run over), the bar has no
-        # reader to protect. It held a finished hot set in DRAM for the
-        # whole 30 s backoff (tests/host/test_metrics.py: blocks the first,
-        # blind plan paged out were promoted on their first hints, a
-        # "return", and the next hot set waited 30 s for their room). A
-        # block no source ever saw read keeps the bar: its reader is
-        # invisible but for the returns.
-        ended = (self.eff <= 0.0) & np.isfinite(snap["last_access"])
-        returned = barred & ~ended
+        returned = backoff & (snap["returns"] > 0) if "returns" in snap else np.zeros_like(backoff)
+        backoff &= ~returned
         unmovable = (flags & F_UNMOVABLE) != 0
         if "stuck" in snap:
             # The kernel's refusal is re-probed once retry_at has passed

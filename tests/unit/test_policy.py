@@ -680,11 +680,6 @@ def test_a_block_faulted_back_after_a_pageout_is_barred_from_swap_only():
     t.returns[0], t.retry_at[0] = 1, 40.0
     p, _ = plan(t.snapshot(), tiers(0, cxl_blocks=0, swap_blocks=100), cfg(), PolicyState(), 10.0)
     assert p.rows[p.dst == 2].tolist() == [1]
-    # Its reads were seen and have ended (temperature 0 after a run): no
-    # reader left to protect, so it goes with the other.
-    t.last_access[0] = 5.0
-    p, _ = plan(t.snapshot(), tiers(0, cxl_blocks=0, swap_blocks=100), cfg(), PolicyState(), 10.0)
-    assert sorted(p.rows[p.dst == 2].tolist()) == [0, 1]
 
 
 def test_allocations_beside_discards_still_get_their_room_in_dram():
