@@ -1302,6 +1302,7 @@ class Engine:
             return
         if self.recorder is not None:
             self.recorder.ticked(now, self.mover.busy)  # the replay runs on this clock
+        self._release_returned(now)
         if self.mover.busy:
             self.stats.ticks_skipped_busy += 1
         else:
@@ -1328,6 +1329,31 @@ class Engine:
             job = self._build_collect(now)
             if job is not None:
                 self._submit(self.collector, self._run_collect, self._finish_collect, job)
+
+    def _release_returned(self, now: float) -> None:
+        """Lift the swap bar of returned blocks (``_returned``) whose owner
+        hints and has stopped reading them (temperature 0: the run of
+        reads it told of is over). The bar protects a reader that faults
+        pages back; an owner that hints tells every read, so its silence
+        says the reader is gone. Kept for the 30 s and more of
+        return_backoff_s, it held a finished hot set in DRAM: a first plan
+        pages blocks out blind, the owner's first hints bring them back (a
+        return), and the next hot set waited out the backoff for their room
+        (tests/host/test_metrics.py took 32 s in 5 runs of 10). Blocks of
+        regions nobody hints keep it: a reader seen only by its faults looks
+        silent between them (tests/host/test_pageout_host.py)."""
+        t = self.table
+        r = np.flatnonzero(t.returns[: len(t)])
+        if r.size == 0:
+            return
+        hinted = self._hinted()
+        if not hinted:
+            return
+        r = r[(t.retry_at[r] > now) & (t.temp[r] <= 0.0)]
+        r = r[np.isin(t.region[r], np.fromiter(hinted, dtype=np.int64))]
+        if r.size:  # the next plan, whatever calls for it, may move them (no replan for this alone)
+            t.returns[r] = 0
+            t.retry_at[r] = -np.inf
 
     def _promoting(self) -> bool:
         """Whether the mover's job brings some block to a faster tier."""

@@ -874,6 +874,26 @@ def test_a_registration_is_handed_to_the_sources_before_the_next_tick(rig):
     assert r.source.targets == before + 1
 
 
+def test_a_returned_block_of_an_owner_that_hints_loses_its_swap_bar_once_its_reads_end(rig):
+    """Kills: the bar kept for the whole backoff after the owner's hints
+    of the block stopped (the next hot set waited 30 s for its room); the
+    bar lifted for a region nobody hints (its reader is seen only by its
+    faults) or for a block still read."""
+    r = rig(4)
+    other = r.registry.add(PID, BASE + 4 * BLOCK, 4 * BLOCK, BLOCK, name="unhinted").id
+    r.settle()
+    r.hint([3])  # the owner of the first region hints
+    t, now = r.table, r.clock.now
+    a, b = r.rows().start, r.table.slices[other].start
+    rows = np.array([a, a + 1, b])
+    t.returns[rows], t.retry_at[rows] = 1, now + 30.0
+    t.temp[rows] = 0.0
+    t.temp[a + 1] = 5.0  # still read
+    r.tick()
+    assert t.returns[rows].tolist() == [0, 1, 1]
+    assert t.retry_at[a] == -np.inf and (t.retry_at[[a + 1, b]] > r.clock.now).all()
+
+
 def test_a_follow_up_collect_is_paced_over_the_tick_not_over_its_own_interval(rig):
     """Kills: a follow-up's cost judged over the fraction of a tick since
     the collect before it (every follow-up backed the source off in the
