@@ -299,7 +299,8 @@ OPTIONS: tuple[Option, ...] = (
            "A block found back in memory this soon after it was paged out came straight back "
            "(its reader faulted it in).", 0),
     Option("policy", "return_backoff_s", float, _P.return_backoff_s,
-           "How long such a block is not moved again (doubles per return in a row, up to backoff_max_s).", 0),
+           "How long such a block is not paged out again (doubles per return in a row, up to backoff_max_s); "
+           "in a region whose owner hints, until the owner stops reading it.", 0),
     # -- topology (kvtier.kernel.topology.validate_overrides) -----------------
     Option("topology", "tiers", list, [],
            "Memory tiers in order, fastest first, replacing the discovered ones; empty = discover. "
