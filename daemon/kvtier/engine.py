@@ -1044,9 +1044,14 @@ class Engine:
 
     def _retarget_now(self) -> None:
         self._retarget_queued = False
-        if self._closed or self.collector.busy or self._pending_sources is not None:
-            return  # set_targets runs between collects: the next tick's collect retargets
-        self._retarget()
+        if self._sources_idle():  # else the next tick's collect retargets
+            self._retarget()
+
+    def _sources_idle(self) -> bool:
+        """Whether the sources may be targeted or collected from the loop
+        now, between ticks: no collect running (set_targets runs between
+        collects), no reload's sources waiting to replace them, not stopped."""
+        return not (self._closed or self.collector.busy or self._pending_sources is not None)
 
     def hinted(self, rows: np.ndarray, unsure: np.ndarray) -> None:
         """Hints for ``rows`` were just added to their temperatures
@@ -1342,13 +1347,11 @@ class Engine:
         (tests/host/test_metrics.py took 32 s in 5 runs of 10). Blocks of
         regions nobody hints keep it: a reader seen only by its faults looks
         silent between them (tests/host/test_pageout_host.py)."""
-        t = self.table
-        r = np.flatnonzero(t.returns[: len(t)])
-        if r.size == 0:
-            return
         hinted = self._hinted()
         if not hinted:
             return
+        t = self.table
+        r = np.flatnonzero(t.returns[: len(t)])
         r = r[(t.retry_at[r] > now) & (t.temp[r] <= 0.0)]
         r = r[np.isin(t.region[r], np.fromiter(hinted, dtype=np.int64))]
         if r.size:  # the next plan, whatever calls for it, may move them (no replan for this alone)
@@ -2227,14 +2230,11 @@ class Engine:
         now = self.clock()
         again: list[HotnessSource] = []
         for obs, source in zip(job.observations, job.sources):
-            if not job.follow_up and self._waits_below(job, getattr(obs, "pending", None)):
+            if not job.follow_up and self._waits_below(job, obs.pending):
                 again.append(source)
             if not len(obs):
                 continue
-            if job.generation == self.registry.generation:
-                r = obs.rows
-            else:  # rows shifted since the sources were targeted
-                r = t.rows_of(*_keys_of(job.slices, obs.rows))
+            r = self._collected_rows(job, obs.rows)
             ok = (r >= 0) & (r < len(t))
             r = r[ok]
             self.temperature.add(t, r, obs.counts[ok], now, obs.weight)
@@ -2249,23 +2249,29 @@ class Engine:
                 self._stale_soon(unsure)
             self._hot_soon(r)
             if obs.prefetch.size:
-                pf = obs.prefetch if job.generation == self.registry.generation else \
-                    t.rows_of(*_keys_of(job.slices, obs.prefetch))
+                pf = self._collected_rows(job, obs.prefetch)
                 self._prefetch_swapped(pf[(pf >= 0) & (pf < len(t))])
         for source in job.sources:
             self._pace(source, job.cost.get(source.name, (0.0, None)), now, job.follow_up)
         if again:
             self.loop.call_soon(self._follow_up, again)
 
-    def _waits_below(self, job: CollectJob, pending: np.ndarray | None) -> bool:
+    def _collected_rows(self, job: CollectJob, rows: np.ndarray) -> np.ndarray:
+        """Rows a source named as at its set_targets, in the table as it is
+        now (-1: a region removed since, past the end: rows shifted)."""
+        if job.generation == self.registry.generation:
+            return rows
+        return self.table.rows_of(*_keys_of(job.slices, rows))  # rows shifted since the sources were targeted
+
+    def _waits_below(self, job: CollectJob, pending: np.ndarray) -> bool:
         """Whether a source saw reads it does not credit yet (``pending``)
         of a block in a lower tier, movable: a promotion waits on its next
         collect. Blocks already in DRAM never wait on it (the edges of a
         hot set DAMON splits anew each dump stay pending there)."""
-        if pending is None or not pending.size:
+        if not pending.size:
             return False
         t = self.table
-        r = pending if job.generation == self.registry.generation else t.rows_of(*_keys_of(job.slices, pending))
+        r = self._collected_rows(job, pending)
         r = r[(r >= 0) & (r < len(t))]
         return bool(((t.tier[r] > 0) & ((t.flags[r] & np.uint8(F_UNMOVABLE | F_ENGINE)) == 0)).any())
 
@@ -2280,7 +2286,7 @@ class Engine:
         interval away. One follow-up per regular collect (a follow-up asks
         for none), paid from the source's budget like any collect
         (``_pace``)."""
-        if self._closed or self.collector.busy or self._pending_sources is not None:
+        if not self._sources_idle():
             return  # the tick's collect comes instead
         live = [s for s in sources if s in self.sources]
         if live:

@@ -49,6 +49,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -219,13 +220,13 @@ ATTACKS = ("flood", "blocks", "halfframes", "stall", "deep", "garbage", "conns")
 class CpuGroups:
     """CPU cgroups of equal weight, one per name, under a fresh parent
     (cgroup v1's cpu hierarchy, or v2 with the cpu controller enabled at
-    the root); None where neither is writable."""
+    the root); OSError where neither is there or writable."""
 
     def __init__(self, names: list[str]):
         v1, v2 = "/sys/fs/cgroup/cpu", "/sys/fs/cgroup"
         if os.path.exists(os.path.join(v1, "cpu.shares")):
             self.root, self.weight_file, weight = v1, "cpu.shares", "1024"
-        elif "cpu" in open(os.path.join(v2, "cgroup.subtree_control")).read().split():
+        elif "cpu" in Path(v2, "cgroup.subtree_control").read_text().split():
             self.root, self.weight_file, weight = v2, "cpu.weight", "100"
         else:
             raise OSError("no cpu controller (cgroup v1 cpu, or v2 with +cpu at the root)")
