@@ -1292,6 +1292,7 @@ class Engine:
             self._apply_topology()
         if self._pending_sources is not None and not self.collector.busy:
             self._apply_sources()
+        decayed = (self.temperature.last_decay, self.temperature.interval)  # the recording's clock line
         self.temperature.decay(self.table, now)
         self._dram_full = False  # decay and free memory change the room
         self.registry.check_alive()
@@ -1306,7 +1307,7 @@ class Engine:
             self.scheduled.clear()
             return
         if self.recorder is not None:
-            self.recorder.ticked(now, self.mover.busy)  # the replay runs on this clock
+            self.recorder.ticked(now, self.mover.busy, decayed)  # the replay runs on this clock
         self._release_returned(now)
         if self.mover.busy:
             self.stats.ticks_skipped_busy += 1

@@ -178,6 +178,16 @@ class Temperature:
             self.last_decay = now
             self._armed_to = now
 
+    def resume(self, table: BlockTable, decayed: float, step: float) -> None:
+        """Take up another clock: decay to ``decayed`` (when that run's
+        temperatures last decayed) and make ``step`` (that decay's length)
+        the interval a run started now counts from. kvtier-sim's replay of a
+        recording starts where the daemon's clock stood, not at its first
+        recorded tick."""
+        self.decay(table, decayed)
+        if step > 0 and math.isfinite(step):
+            self.interval = float(step)
+
     def _flush(self, table: BlockTable) -> None:
         """Arm the rows read since their last arm, each once, from their
         state now: what arming at each one's latest read gives, as nothing

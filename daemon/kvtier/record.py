@@ -20,9 +20,14 @@ recording reader understands:
   ``move`` (a move job's results), ``seen`` (a residency measurement found it
   there: the kernel moved it, e.g. a read faulted it back from swap) or
   ``start`` (the state a file starts with);
-* ``# tick T BUSY``: each tick of the engine, BUSY 1 when the mover was still
-  running the previous job so no plan was made: the tick clock as it ran,
-  late and skipped ticks included;
+* ``# tick T BUSY [DECAYED STEP]``: each tick of the engine, BUSY 1 when
+  the mover was still running the previous job so no plan was made: the
+  tick clock as it ran, late and skipped ticks included. DECAYED and STEP
+  (the temperatures' clock before this tick: when they last decayed, and
+  that step's length) where the tick before it is not in the file: the
+  file's first tick, a tick after ticks with no block registered (those are
+  not recorded). A replay ages its temperatures from there, as the daemon
+  did (a read that starts a run counts as one STEP old);
 * ``# job T0 SRC DST BLOCKS BYTES``: a move job handed to the mover, one
   line per source and destination tier (so a job still running when the
   recording ends is known), and when it is done
@@ -97,6 +102,7 @@ class Recorder:
         self._f: io.TextIOWrapper | None = None
         self._opening = False  # _open's own writes never rotate (the repeat would recurse)
         self._base = 0  # bytes of the current file when its opening repeat was written
+        self._last_tick: float | None = None  # the clock time of the file's last tick line
         if os.path.exists(self.path) and os.path.getsize(self.path):
             self._shift()  # a new daemon run starts a new file (its clock starts at 0 again)
         self._open()
@@ -117,6 +123,7 @@ class Recorder:
         finally:
             self._opening = False
         self._base = self._f.tell() if self._f is not None else 0
+        self._last_tick = None  # the file's first tick says where the decay clock stood
 
     def _open_file(self) -> None:
         # The most common block size among live blocks (a header the plain
@@ -236,10 +243,21 @@ class Recorder:
         t = self.table
         self._places(block_ids(t.region, t.index), t.tier.copy(), cause)
 
-    def ticked(self, at: float, busy: bool) -> None:
+    def ticked(self, at: float, busy: bool, decayed: tuple[float | None, float] | None = None) -> None:
         """An engine tick at clock time ``at``; ``busy``: the mover still ran
-        the last job, so this tick made no plan."""
-        self._write(f"# tick {at - self.t0:.6f} {int(busy)}\n")
+        the last job, so this tick made no plan. ``decayed``: the
+        temperatures' last decay before this tick (clock time, or None: never)
+        and that step's length, written where the file's last tick line is
+        not that decay. A replay that started its temperature clock at its
+        first tick line instead aged every first run by a default 1 s step
+        against the daemon's 0.5 s, enough to swap one near-tied block for
+        another and a different hot set after it (tests/vm/test_record_vm.py,
+        replayed 0.647 against 0.746 live)."""
+        line = f"# tick {at - self.t0:.6f} {int(busy)}"
+        if decayed is not None and decayed[0] is not None and decayed[0] != self._last_tick:
+            line += f" {decayed[0] - self.t0:.6f} {decayed[1]:.6f}"
+        self._last_tick = at  # before the write: a rotation it causes starts the next file afresh
+        self._write(line + "\n")
 
     def move_started(self, started: float, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
         """A move job handed to the mover (planned at clock time ``started``)."""

@@ -87,6 +87,9 @@ class RecordedMachine:
     # per block (dense id): the tier the daemon first measured it in (-1: never), i.e. where the
     # kernel put it; the replay of the recorded tiers places blocks there, not by first touch
     first_tier: np.ndarray | None = field(default=None, compare=False)
+    # (tick time, last decay before it, that step's seconds): where the daemon's temperatures
+    # stood at a tick whose predecessor was not recorded (the first, one after an empty table)
+    tick_clock: tuple = ()
 
     @staticmethod
     def job_key(planned: float, pairs) -> tuple:

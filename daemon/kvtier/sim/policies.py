@@ -54,6 +54,11 @@ class SimPolicy:
     def observe(self, rows, counts, times, now) -> None:
         pass
 
+    def clock(self, decayed: float, step: float) -> None:
+        """A recording's replay: the daemon's temperatures last decayed at
+        ``decayed``, a step of ``step`` seconds (before a tick whose previous
+        tick was not recorded)."""
+
     def lifecycle(self, acquired, released, now) -> None:
         pass
 
@@ -320,6 +325,9 @@ class Kvtier(SimPolicy):
             self.temp.recheck(self.table, rows)
         self.temp.decay(self.table, now)
         self.table.tier[:] = self.eng.tier  # implicit moves (swap-in) are the engine's
+
+    def clock(self, decayed, step):
+        self.temp.resume(self.table, decayed, step)
 
     def lifecycle(self, acquired, released, now):
         apply_phase(self.table, acquired, "active")

@@ -87,6 +87,8 @@ class Recording:
     files: list[str] = field(default_factory=list)
     tick_times: np.ndarray = field(default_factory=lambda: np.zeros(0))
     ticks_busy: int = 0  # ticks the live mover was still busy (no plan)
+    # (tick time, the temperatures' last decay before it, that step) where a tick line says
+    tick_clock: tuple = ()
     # per move line: t0, t1, src, dst, blocks, bytes, ok_blocks, ok_bytes, failed_pages, seconds
     moves: np.ndarray = field(default_factory=lambda: np.zeros((0, 10)))
     # jobs still running at the end, per pair: t0, end of recording, src, dst, blocks, bytes, 0, 0, 0,
@@ -133,7 +135,8 @@ class Recording:
                 m = rows[inv.ravel() == k]
                 key = RecordedMachine.job_key(t0, ((a, b, n) for a, b, n in m[:, 2:5].tolist()))
                 jobs[key] = float(m[0, 1] - t0)
-        return RecordedMachine(tuple(self.tick_times.tolist()), bps, lat, overhead, swap_faults, jobs)
+        return RecordedMachine(tuple(self.tick_times.tolist()), bps, lat, overhead, swap_faults, jobs,
+                               tick_clock=self.tick_clock)
 
     def effective_capacity(self, index: int, capacity: int) -> int:
         cap = (self.policy.get("capacity") or {}).get(index)
@@ -157,7 +160,7 @@ class Recording:
                 tiers[i] = replace(tiers[i], capacity_bytes=max(1, int(gib * GIB)))
         mach = self.machine() if migrator == "recorded" else None
         if mach is not None and tick_s:
-            mach = replace(mach, tick_times=())
+            mach = replace(mach, tick_times=(), tick_clock=())
         if mach is not None and dram_gib is None and second_gib is None:
             mach = replace(mach, first_tier=self.first_tier)  # the recorded tiers: the kernel's placement
         return SimConfig(tuple(tiers), float(tick_s or self.meta.get("tick_s", 1.0)), mach)
@@ -219,6 +222,7 @@ def load(path: str | Path) -> Recording:
     acc_seq = []
     first_started = None
     tick_t: list[float] = []
+    tick_clock: list[tuple[float, float, float]] = []
     busy = 0
     moves: list[list[float]] = []
     jobs: list[list[float]] = []
@@ -260,8 +264,10 @@ def load(path: str | Path) -> Recording:
                 place_tier.append(tier)
                 continue
             if line.startswith("# tick "):
-                _, _, ts, was_busy = line.split()
+                _, _, ts, was_busy, *clock = line.split()  # older recorders wrote no clock
                 tick_t.append(float(ts) + offset)
+                if len(clock) == 2:
+                    tick_clock.append((tick_t[-1], float(clock[0]) + offset, float(clock[1])))
                 last_t = max(last_t, tick_t[-1])
                 busy += was_busy == "1"
                 continue
@@ -334,6 +340,7 @@ def load(path: str | Path) -> Recording:
     live_hit, hinted, in_swap = _live_hit(acc_seq, place_id, place_seq, place_tier, swap)
     return Recording(trace, tiers, policy, meta, live_hit, hinted, [str(p) for p in files],
                      tick_times=np.sort(np.asarray(tick_t, dtype=np.float64)), ticks_busy=busy,
+                     tick_clock=tuple(sorted(tick_clock)),
                      moves=np.asarray(moves, dtype=np.float64).reshape(-1, 10),
                      unfinished=_unfinished(jobs, moves, last_t), fault_ins=fault_ins, hinted_in_swap=in_swap,
                      first_tier=first_tier)

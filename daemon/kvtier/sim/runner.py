@@ -154,6 +154,8 @@ class Engine:
         T = len(cfg.tiers)
         mach = cfg.machine
         times = mach.tick_times if mach is not None else ()
+        # where the daemon's temperature clock stood at ticks whose predecessor the recording lacks
+        clock_at = {t: (at, step) for t, at, step in mach.tick_clock} if mach is not None and len(times) else {}
         bounds = self.source.tick_bounds(self.tick_s, times) if len(times) else None
         ticks = self.source.ticks(self.tick_s, times) if len(times) else self.source.ticks(self.tick_s)
         self.job = None  # recorded machine: (end time, rows, dst) of the move job in flight
@@ -182,6 +184,8 @@ class Engine:
         for k, tk in enumerate(ticks):
             self.k = k
             now = (k + 1) * self.tick_s if bounds is None else float(bounds[k + 1])
+            if now in clock_at:
+                policy.clock(*clock_at[now])  # before the tick's reads, which all came after that decay
             if self.job is not None and bounds is not None and self.job[0] <= (bounds[k] + now) / 2:
                 self._land(policy, moved)  # the job ended before most of this tick's reads
             if tk.evict.size:
