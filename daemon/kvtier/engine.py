@@ -97,6 +97,12 @@ MIN_SAMPLE_BLOCKS = 1024
 SAMPLE_BACKOFF_BLOCKS = 16384
 # Rows per step when looking for stale blocks (stops once enough are found).
 STALE_SCAN_CHUNK = 1 << 16
+# Sampled blocks per step of the measuring thread (their windows made, asked
+# and counted): each numpy call of a step holds the GIL for well under a
+# millisecond, so the loop thread is not kept waiting behind a whole job (a
+# 64 Ki-block region's first look held it 2.5 ms to build, then as long to
+# count, under scripts/bench/robustness.py's `blocks` attacker).
+WINDOW_CHUNK = 4096
 # Between ticks, a measuring job for blocks just hinted or observed while not
 # known present starts at most this often: a job costs the loop about a
 # millisecond (build, finish) whatever it measures, and one per hint message
@@ -252,11 +258,15 @@ class MeasureJob:
     addr: np.ndarray
     nbytes: np.ndarray
     full: np.ndarray  # bool per block
-    window: np.ndarray  # (blocks, sample pages) uint64 page addresses (rows of full blocks unused)
     lut: np.ndarray  # node -> tier, captured with the topology at submit time
     ntiers: int
     swap_index: int | None
     started: float = 0.0
+    # the others: a window of sample_pages consecutive pages (of page_size)
+    # from a random page of each, drawn by the measuring thread from seed
+    sample_pages: int = 1
+    page_size: int = PAGE_SIZE
+    seed: int = 0
     measured_tier: np.ndarray | None = None  # full blocks: dominant tier or TIER_UNKNOWN
     present: np.ndarray | None = None  # full blocks: some page present or swapped
     window_tier: np.ndarray | None = None  # sampled blocks: dominant tier of the window, -1 none
@@ -306,6 +316,17 @@ class _Worker:
     @property
     def busy(self) -> bool:
         return self.future is not None
+
+
+def _windows(addr: np.ndarray, nbytes: np.ndarray, S: int, ps: int, rng: np.random.Generator) -> np.ndarray:
+    """(blocks x S) page addresses: S consecutive pages from a random page
+    of each block (short blocks repeat their last page, which does not
+    change the majority)."""
+    npages = np.maximum(1, nbytes.astype(np.int64) // ps)
+    first = (rng.random(npages.size) * np.maximum(1, npages - S + 1)).astype(np.int64)
+    page = np.minimum(first[:, None] + np.arange(S, dtype=np.int64)[None, :], npages[:, None] - 1)
+    base = addr[:, None] - addr[:, None] % np.uint64(ps)
+    return base + page.astype(np.uint64) * np.uint64(ps)
 
 
 def _job_blocks(job: Any) -> int:
@@ -1914,25 +1935,16 @@ class Engine:
         self._last_measure_at = now
         full = np.zeros(rows.size, dtype=bool)
         full[: full_rows.size] = True
-        addr = t.addr[rows].copy()
-        nbytes = t.nbytes[rows].copy()
-        # window: S consecutive pages from a random page of each sampled
-        # block (short blocks repeat their last page, which does not change
-        # the majority); full blocks need none (their rows stay zero: (rows x
-        # S) of work for 1 Mi full blocks held the loop 1.5 s)
-        window = np.zeros((rows.size, S), dtype=np.uint64)
-        ws = slice(full_rows.size, rows.size)
-        npages = np.maximum(1, nbytes[ws].astype(np.int64) // ps)
-        first = (self._rng.random(npages.size) * np.maximum(1, npages - S + 1)).astype(np.int64)
-        page = np.minimum(first[:, None] + np.arange(S, dtype=np.int64)[None, :], npages[:, None] - 1)
-        base = addr[ws, None] - addr[ws, None] % np.uint64(ps)
-        window[ws] = base + page.astype(np.uint64) * np.uint64(ps)
         topo = self.topology
         swap = topo.swap_tier
+        # The sampled blocks' windows are the measuring thread's to make
+        # (_windows): (blocks x S) of work on the loop was 2.5 ms for a
+        # 64 Ki-block region's first look, every other client waiting.
         return MeasureJob(
             region=t.region[rows].astype(np.int64), index=t.index[rows].astype(np.int64), pid=t.pid[rows].copy(),
-            addr=addr, nbytes=nbytes, full=full, window=window, lut=topo.node_tier_lut(),
+            addr=t.addr[rows].copy(), nbytes=t.nbytes[rows].copy(), full=full, lut=topo.node_tier_lut(),
             ntiers=len(topo.tiers), swap_index=None if swap is None else swap.index, started=now,
+            sample_pages=S, page_size=ps, seed=int(self._rng.integers(1 << 63)),
         )
 
     def _sample_yield(self, looked: int, found: int) -> None:
@@ -2022,6 +2034,7 @@ class Engine:
         job.window_tier = np.full(nb, TIER_UNKNOWN, dtype=np.int8)
         job.window_whole = np.zeros(nb, dtype=bool)
         job.efault = np.zeros(nb, dtype=bool)
+        rng = np.random.default_rng(job.seed)
         pages = 0
         for pid in np.unique(job.pid):
             mine = job.pid == pid
@@ -2036,22 +2049,21 @@ class Engine:
                     job.measured_tier[sel], job.present[sel] = _dominant_tier(r, lut, ntiers, job.swap_index)
                     if r.errors.get("EFAULT"):
                         job.efault[sel] = True
-            sel = np.flatnonzero(mine & ~job.full)
-            if sel.size:
-                addrs = job.window[sel]
+            sampled = np.flatnonzero(mine & ~job.full)
+            for lo in range(0, sampled.size, WINDOW_CHUNK):
+                sel = sampled[lo:lo + WINDOW_CHUNK]
+                addrs = _windows(job.addr[sel], job.nbytes[sel], job.sample_pages, job.page_size, rng)
                 try:
                     status = self.migrator.query_nodes(int(pid), addrs.ravel()).reshape(addrs.shape)
                 except (KvtierError, OSError) as e:
                     log.debug("sampled residency of pid %d: %s", pid, e)
-                    continue
+                    break
                 pages += int(status.size)
                 job.efault[sel] = (status == _EFAULT).any(axis=1)
                 on = (status >= 0) & (status < lut.size)
                 tier = np.where(on, lut[np.where(on, status, 0)], -1)
-                ok = tier >= 0
-                counts = np.zeros((sel.size, ntiers + 1), dtype=np.int64)
-                bi = np.broadcast_to(np.arange(sel.size)[:, None], tier.shape)
-                np.add.at(counts, (bi[ok], tier[ok]), 1)
+                # pages per tier (ntiers + 1: swap past the memory tiers), a column at a time
+                counts = np.stack([(tier == k).sum(axis=1) for k in range(ntiers + 1)], axis=1)
                 job.window_tier[sel] = np.where(counts.sum(axis=1) > 0, counts.argmax(axis=1), TIER_UNKNOWN)
                 job.window_whole[sel] = counts.max(axis=1) == addrs.shape[1]
         job.pages = pages

@@ -1083,3 +1083,30 @@ def test_unanswered_engine_promotions_hold_their_room_in_dram(rig):
     assert up, "no promotion was sent to the owner"
     assert asked + kernel_dram <= 4, (asked, kernel_dram, [len(m["blocks"]) // 4 for m in up])
     assert (r.table.tier[rows] == SWAP_TIER).all()  # nothing counted moved before the owner answers
+
+
+def test_a_first_look_measures_every_block_in_steps_of_the_measuring_thread(rig, monkeypatch):
+    """The sampled windows are made, asked and counted by the measuring
+    thread WINDOW_CHUNK blocks at a time (the loop builds none). Kills: a
+    step that measures only its first chunk, a window taken from the wrong
+    rows of the job, or pages counted against the wrong tier (one node
+    here: DRAM, and swap, which no window can tell)."""
+    monkeypatch.setattr(engine_mod, "WINDOW_CHUNK", 3)
+    r = rig(8)
+    kinds = [DRAM, SWAP_TIER, DRAM, DRAM, SWAP_TIER, SWAP_TIER, DRAM, SWAP_TIER]
+    for b, k in enumerate(kinds):
+        r.kernel.loc[(8 + b) * PPB:(9 + b) * PPB] = SWAP if k == SWAP_TIER else 0
+    rid = r.registry.add(PID, BASE + 8 * BLOCK, 8 * BLOCK, BLOCK, name="second").id
+    scans = r.stats.residency_scans_total
+    r.engine.registered(rid)
+
+    async def first_look():
+        for _ in range(200):
+            await asyncio.sleep(0.002)
+            if r.stats.residency_scans_total > scans and r.engine.future is None:
+                return
+
+    r.loop.run_until_complete(first_look())
+    assert r.stats.residency_full_blocks_total == 0  # windows, not whole blocks
+    # a window tells a node's pages; swapped ones are unknown until measured whole
+    assert r.tiers(rid) == [DRAM if k == DRAM else -1 for k in kinds]
