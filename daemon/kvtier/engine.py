@@ -514,6 +514,9 @@ class Engine:
         self._targets_hinted: frozenset[int] | None = None
         self._targets_slices: dict[int, Slice] = {}
         self._hinted_regions: frozenset[int] = frozenset()
+        # Some row may have returns > 0 (set by _returned, cleared when
+        # _release_returned's scan finds none): no scan of the column until then.
+        self._returns_live = False
         self._hinted_at = (-1, -1)
         # Event-driven work between ticks: regions just registered whose
         # blocks get a first look, rows just marked stale (hinted or observed
@@ -1369,11 +1372,16 @@ class Engine:
         (tests/host/test_metrics.py took 32 s in 5 runs of 10). Blocks of
         regions nobody hints keep it: a reader seen only by its faults looks
         silent between them (tests/host/test_pageout_host.py)."""
+        if not self._returns_live:
+            return
         hinted = self._hinted()
         if not hinted:
             return
         t = self.table
         r = np.flatnonzero(t.returns[: len(t)])
+        if r.size == 0:
+            self._returns_live = False
+            return
         r = r[(t.retry_at[r] > now) & (t.temp[r] <= 0.0)]
         r = r[np.isin(t.region[r], np.fromiter(hinted, dtype=np.int64))]
         if r.size:  # the next plan, whatever calls for it, may move them (no replan for this alone)
@@ -2174,6 +2182,7 @@ class Engine:
         n = np.minimum(returns.astype(np.int64) + 1, np.iinfo(np.uint8).max)
         if not failed:
             t.returns[rows] = n
+            self._returns_live = True
         delay = np.minimum(cfg.backoff_max_s, cfg.return_backoff_s * np.exp2(np.minimum(n - 1, 62)))
         t.retry_at[rows] = np.maximum(t.retry_at[rows], self.clock() + delay)
         self.stats.pageout_returns_total += int(rows.size)
