@@ -409,14 +409,20 @@ class Daemon:
         self.build(loop)
         self.announce()
         self.adopt()
-        # Everything built so far lives until exit: keep it out of the cyclic
-        # GC's generations so collections stay short (request tail latency).
-        gc.freeze()
         await self.server.start()
         self.watch_schedule.start()
         await self.uevents.start()
         if self.metrics is not None:
             self._start_metrics()
+        # Everything built so far, the modules the listeners imported
+        # included, lives until exit: keep it out of the cyclic GC's
+        # generations so collections stay short (request tail latency).
+        # Frozen before the listeners started, the 15,000 objects they
+        # brought (pyroute2, prometheus_client) were walked by every
+        # generation-2 collection: 4.6-7.6 ms inside some request under
+        # scripts/bench/robustness.py. Garbage first, so none stays for good.
+        gc.collect()
+        gc.freeze()
         self.notifier.ready(self._status_line())
         if self.notifier.watchdog_interval:
             self._watchdog(loop, self.notifier.watchdog_interval)
