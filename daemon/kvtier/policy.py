@@ -524,14 +524,29 @@ class _Builder:
 
 
 def _ordered(idx: np.ndarray, key: np.ndarray, k: int, hottest_first: bool) -> np.ndarray:
-    """The ``k`` best of ``idx`` by ``key`` in order, without sorting them all."""
-    if idx.size == 0:
-        return idx
+    """The ``k`` best of ``idx`` by ``key`` in order, without sorting them all.
+
+    Equal keys (blocks nothing tells apart: present, never read) go by row:
+    a demotion takes the highest rows first, a promotion the lowest. A
+    pool's allocator hands its blocks out from the start (vLLM's free block
+    queue, SGLang's free slots), so the blocks at a region's end are the
+    last it writes; the first plan after a registration, made before any
+    hint, paged out the lowest (argpartition's pick among ties), the very
+    blocks the first requests then wrote and read back."""
+    if idx.size == 0 or k <= 0:
+        return idx[:0]
     kk = key[idx] if not hottest_first else -key[idx]
     if k < idx.size:
-        part = np.argpartition(kk, k)[:k]
-        idx, kk = idx[part], kk[part]
-    return idx[np.argsort(kk, kind="stable")]
+        thr = kk[np.argpartition(kk, k)[:k]].max()
+        below = np.flatnonzero(kk < thr)
+        tied = np.flatnonzero(kk == thr)
+        need = k - below.size  # >= 1: thr is one of the k
+        if need < tied.size:  # the lowest rows (promotion) or the highest (demotion), without a sort
+            rows_t = idx[tied] if hottest_first else -idx[tied]
+            tied = tied[np.argpartition(rows_t, need - 1)[:need]]
+        sel = np.concatenate([below, tied])
+        idx, kk = idx[sel], kk[sel]
+    return idx[np.lexsort((idx if hottest_first else -idx, kk))]
 
 
 def _beats(prio_c, eff_c, prio_r, eff_r, cfg: PolicyConfig) -> np.ndarray:

@@ -115,7 +115,8 @@ def test_hints_of_blocks_already_in_dram_do_not_replan(wired, monkeypatch):
 
     r = wired(16, cold_demote=False, low_wm=0.98)  # DRAM full: no promotion between ticks
     place(r, 7)
-    r.tick(12, dt=1.0)  # past IDLE_REPLAN_S: the replans after placing are done
+    r.tick(12, dt=1.0)  # the replans after placing are done
+    monkeypatch.setattr(engine_mod, "IDLE_REPLAN_S", 1e9)  # and no periodic one falls in the ticks below
     plans = []
     real = engine_mod.pol.plan
     monkeypatch.setattr(engine_mod.pol, "plan", lambda *a, **k: plans.append(1) or real(*a, **k))

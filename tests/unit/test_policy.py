@@ -563,8 +563,27 @@ def test_explain_of_a_move_names_its_rule():
     t = _full_dram(temp_res=0.0)
     s = explain(t.snapshot(), 4, tiers(4), cfg(), PolicyState(), 100.0)
     assert "plan: move tier 1 -> 0 (promote)" in s
-    s = explain(t.snapshot(), 0, tiers(4), cfg(), PolicyState(), 100.0)
+    p, _ = plan(t.snapshot(), tiers(4), cfg(), PolicyState(), 100.0)
+    out = p.rows[p.dst == 1]
+    assert out.size  # room for the promoted one (rows 0-3 tie: the last go first, see the tie test)
+    s = explain(t.snapshot(), int(out[0]), tiers(4), cfg(), PolicyState(), 100.0)
     assert "plan: move tier 0 -> 1 (evict)" in s or "(cold)" in s
+
+
+def test_blocks_nothing_tells_apart_leave_dram_from_the_regions_end_and_enter_from_its_start():
+    """Present, never read, all alike: a pool's allocator writes its first
+    blocks first, so the plan demotes from the highest rows and promotes
+    from the lowest. Kills: argpartition's arbitrary pick among ties (for
+    small tables the lowest rows: the first blind plan after a
+    registration paged out the blocks the first requests were about to
+    write)."""
+    for n, room in ((12, 8), (1000, 700)):
+        t = make_table(n, tier=0, temp=0.0)  # DRAM over its size: n - room must go
+        p, _ = plan(t.snapshot(), tiers(room), cfg(cold_demote=False), PolicyState(), 100.0)
+        assert sorted(p.rows[p.dst == 1].tolist()) == list(range(room, n))
+        t = make_table(n, tier=1, temp=5.0)  # all equally hot in CXL, DRAM empty
+        p, _ = plan(t.snapshot(), tiers(n - room), cfg(), PolicyState(), 100.0)
+        assert sorted(p.rows[p.dst == 0].tolist()) == list(range(n - room))
 
 
 def test_demote_bucket_follows_the_allocation_rate():
