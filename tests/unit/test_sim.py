@@ -379,6 +379,38 @@ def test_request_trace_formats_and_bad_input(tmp_path):
         RequestTrace(p)
     with pytest.raises(InvalidArgument, match="unknown model"):
         RequestTrace(p, model="gpt-9")
+    p.write_text("\n\n")
+    with pytest.raises(InvalidArgument, match="empty trace"):
+        RequestTrace(p)
+
+
+def test_cli_refuses_traces_that_read_nothing(tmp_path, capsys):
+    # An empty request trace, one whose requests read no block, and a block
+    # trace with a header and no record: exit 1 and a reason, never a
+    # traceback or a table of 0/0 hit ratios.
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    noread = _jsonl(tmp_path / "noread.jsonl",
+                    [{"timestamp": 0, "input_length": 0, "output_length": 0, "hash_ids": []}])
+    header = tmp_path / "header.csv"
+    header.write_text("time,block,op,count\n")
+    for path, why in ((empty, "empty trace"), (noread, "reads no block"), (header, "reads no block")):
+        assert cli.main(["run", "--trace", str(path), "--policy", "kvtier,lru"]) == 1
+        err = capsys.readouterr().err
+        assert why in err and "Traceback" not in err, err
+    # numbers out of range are usage errors (exit 2), not a default, nor a traceback
+    trace = ["--trace", str(noread)]
+    for opt, val, src in (("--tick", "0", None), ("--tick", "-1", None), ("--tick", "nan", None),
+                          ("--tick", "inf", None), ("--tick", "x", None), ("--dram-frac", "nan", None),
+                          ("--dram-frac", "inf", None), ("--dram-gib", "nan", None), ("--cxl-gib", "-2", None),
+                          ("--accesses", "0", None), ("--decode-tps", "inf", trace),
+                          ("--block-tokens", "0", trace), ("--kv-bytes-per-token", "-5", trace),
+                          ("--requests", "0", trace), ("--pool-blocks", "0", trace)):
+        args = ["run"] + (src or ["--preset", "chat", "--accesses", "500"]) + ["--policy", "lru", opt, val]
+        with pytest.raises(SystemExit) as e:
+            cli.main(args)
+        assert e.value.code == 2, args
+        assert opt in capsys.readouterr().err
 
 
 def test_cli_set_reaches_the_policy_and_refuses_unknown_keys(capsys):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -21,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ..cli import add_version
-from ..errors import ConfigError, KvtierError
+from ..errors import ConfigError, InvalidArgument, KvtierError
 from ..policy import PolicyConfig
 from .gen import PRESETS, generate
 from .model import GIB, SimConfig, load_config
@@ -51,7 +52,7 @@ def sized_config(tr, args) -> SimConfig:
         cfg = rec.sim_config(args.dram_gib, args.cxl_gib, args.tick, args.migrator)
         return cfg.with_swap() if args.swap else cfg
     cfg = load_config(args.config) if args.config else SimConfig()
-    if args.tick:
+    if args.tick is not None:
         cfg = SimConfig(cfg.tiers, args.tick)
     if args.dram_gib is not None or args.cxl_gib is not None or not args.config:
         peak = peak_live_bytes(tr) / GIB
@@ -180,38 +181,60 @@ def _save(plt, fig, path: Path) -> Path:
     return path
 
 
+def _positive(text: str) -> float:
+    """A positive, finite number (argparse type: anything else is a usage error)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (v > 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return v
+
+
+def _count(text: str) -> int:
+    """A whole number >= 1 (argparse type)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
+    return v
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvtier-sim", description=__doc__.split("\n\n")[0])
     add_version(ap)
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("gen", help="generate a synthetic serving trace")
     g.add_argument("--preset", choices=sorted(PRESETS), default="chat")
-    g.add_argument("--accesses", type=int, help="access records to generate")
-    g.add_argument("--nblocks", type=int, help="KV pool size in blocks")
+    g.add_argument("--accesses", type=_count, help="access records to generate")
+    g.add_argument("--nblocks", type=_count, help="KV pool size in blocks")
     g.add_argument("--seed", type=int)
     g.add_argument("-o", "--output", required=True, help=".npz or .csv")
     r = sub.add_parser("run", help="replay a trace through policies")
     workload = r.add_mutually_exclusive_group(required=True)
     workload.add_argument("--trace", help=".npz or .csv block trace, or .jsonl request trace (Mooncake, Qwen-Bailian)")
     workload.add_argument("--preset", choices=sorted(PRESETS))
-    r.add_argument("--accesses", type=int, help="with --preset: access records")
+    r.add_argument("--accesses", type=_count, help="with --preset: access records")
     r.add_argument("--seed", type=int)
     q = r.add_argument_group("request traces (.jsonl)")
     q.add_argument("--format", choices=FORMATS, default="auto")
     q.add_argument("--model", default=DEFAULT_MODEL, help=f"KV bytes per token of one of {', '.join(MODELS)}")
-    q.add_argument("--kv-bytes-per-token", type=int, help="instead of --model")
-    q.add_argument("--block-tokens", type=int, help="tokens per hash id (default: 512 mooncake, 16 bailian)")
-    q.add_argument("--decode-tps", type=float, default=DEFAULT_DECODE_TPS, help="decode tokens/s per request")
-    q.add_argument("--pool-blocks", type=int, help="KV pool (prefix cache) in blocks (default: the footprint)")
-    q.add_argument("--requests", type=int, help="replay only the first N requests")
+    q.add_argument("--kv-bytes-per-token", type=_count, help="instead of --model")
+    q.add_argument("--block-tokens", type=_count, help="tokens per hash id (default: 512 mooncake, 16 bailian)")
+    q.add_argument("--decode-tps", type=_positive, default=DEFAULT_DECODE_TPS, help="decode tokens/s per request")
+    q.add_argument("--pool-blocks", type=_count, help="KV pool (prefix cache) in blocks (default: the footprint)")
+    q.add_argument("--requests", type=_count, help="replay only the first N requests")
     r.add_argument("--policy", default="all", help=f"comma list of {','.join(ALL)} or 'all'")
     r.add_argument("--config", help="TOML tier model (see docs/simulator.md)")
-    r.add_argument("--dram-gib", type=float)
-    r.add_argument("--cxl-gib", type=float)
-    r.add_argument("--dram-frac", type=float, default=DEFAULT_DRAM_FRAC,
+    r.add_argument("--dram-gib", type=_positive)
+    r.add_argument("--cxl-gib", type=_positive)
+    r.add_argument("--dram-frac", type=_positive, default=DEFAULT_DRAM_FRAC,
                    help="DRAM as a fraction of peak live bytes (request traces: of the footprint)")
     r.add_argument("--swap", action="store_true", help="add an NVMe swap tier")
-    r.add_argument("--tick", type=float, help="seconds per policy tick (a recording: instead of its recorded tick times)")
+    r.add_argument("--tick", type=_positive, help="seconds per policy tick (a recording: instead of its recorded tick times)")
     r.add_argument("--migrator", choices=("recorded", "model"), default="recorded",
                    help="a kvtierd recording: replay its recorded migrator and tick clock (default) "
                         "or the tier model's per-tick migration budget")
@@ -278,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
         label = Path(args.trace).stem if args.trace else args.preset
         cfg = sized_config(tr, args)
         results = run_all(tr, cfg, names, settings, args.kvtier_prefetch == "on")
+        if not any(sum(r.served) > 0 for r in results):
+            # every hit ratio would be 0/0: a table of zeros compares nothing
+            raise InvalidArgument(f"{label}: the trace reads no block (no decode step, no prompt block): "
+                                  "nothing to compare")
         cost = capacity_cost(tr, cfg)
         if args.json:
             doc = {

@@ -20,6 +20,8 @@ Every number can be overridden from a TOML file:
 
 from __future__ import annotations
 
+import math
+
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -136,8 +138,8 @@ class SimConfig:
                 raise ConfigError(f"sim: tier {t.name}: kind must be one of {TIER_KINDS}")
             if t.capacity_bytes <= 0 or t.read_gbps <= 0 or t.migrate_gbps <= 0 or t.latency_ns < 0:
                 raise ConfigError(f"sim: tier {t.name}: capacity, bandwidths must be > 0")
-        if self.tick_s <= 0:
-            raise ConfigError("sim: tick_s must be > 0")
+        if not (self.tick_s > 0 and math.isfinite(self.tick_s)):
+            raise ConfigError(f"sim: tick_s must be a positive number of seconds, got {self.tick_s!r}")
 
     def with_capacities(self, gib: list[float]) -> "SimConfig":
         ts = list(self.tiers)

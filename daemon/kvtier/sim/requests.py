@@ -201,6 +201,8 @@ class RequestTrace:
             n += 1
             blocks += len(r.hash_ids) + g
             end = max(end, fin)
+        if n == 0:
+            raise InvalidArgument(f"{self.path}: no {self.fmt} request records (an empty trace)")
         self.requests_n = n
         self.unique_prompt_blocks = len(seen)
         self.footprint_blocks = max(1, len(seen) + peak_gen)
