@@ -181,26 +181,21 @@ def _save(plt, fig, path: Path) -> Path:
     return path
 
 
-def _positive(text: str) -> float:
-    """A positive, finite number (argparse type: anything else is a usage error)."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not (v > 0 and math.isfinite(v)):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return v
+def _ranged(conv, ok, need: str):
+    """An argparse type: ``conv(text)`` that passes ``ok``, else a usage error."""
+    def parse(text: str):
+        try:
+            v = conv(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {need}, got {text!r}") from None
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"must be {need}, got {text!r}")
+        return v
+    return parse
 
 
-def _count(text: str) -> int:
-    """A whole number >= 1 (argparse type)."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
-    return v
+_positive = _ranged(float, lambda v: v > 0 and math.isfinite(v), "a positive number")
+_count = _ranged(int, lambda v: v >= 1, "a whole number >= 1")
 
 
 def build_parser() -> argparse.ArgumentParser:
