@@ -90,12 +90,37 @@ def fmt_size(n: int) -> str:
     return str(n)
 
 
-def rss_bytes(pid: int) -> int:
+def rss_bytes(pid: int, field: str = "VmRSS") -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def rss_by_mapping(pid: int) -> dict[str, int]:
+    """Resident bytes per mapping of /proc/PID/smaps: file mappings by path
+    (code and data of the interpreter and libraries), [heap], and anonymous
+    mappings by start address (the block table's reserved arrays, thread
+    arenas, large numpy buffers)."""
+    out: dict[str, int] = {}
+    key = ""
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if not parts:
+                continue
+            if not parts[0].endswith(":"):
+                key = parts[5] if len(parts) > 5 else "[anon " + parts[0].split("-")[0] + "]"
+            elif parts[0] == "Rss:":
+                out[key] = out.get(key, 0) + int(parts[1]) * 1024
+    return out
+
+
+def rss_growth(before: dict[str, int], after: dict[str, int], top: int = 6) -> list[tuple[str, int]]:
+    """The mappings whose resident bytes grew most (bytes), largest first."""
+    grew = [(k, after.get(k, 0) - before.get(k, 0)) for k in set(before) | set(after)]
+    return sorted((g for g in grew if g[1] > 0), key=lambda g: -g[1])[:top]
 
 
 def kdamond_cpu() -> dict[int, float]:
@@ -274,6 +299,7 @@ def run_cell(a: argparse.Namespace, total: int, nregions: int, rate: int) -> dic
                 raise SystemExit("workload did not start")
             time.sleep(3.0)  # a few ticks: the measuring and collecting workers have run a job
             rss0 = rss_bytes(d.pid)  # the fixed part: threads, arenas, scratch, one block
+            anon0, file0, maps0 = rss_bytes(d.pid, "RssAnon"), rss_bytes(d.pid, "RssFile"), rss_by_mapping(d.pid)
             w.stdin.write("go\n")
             w.stdin.flush()
             ready = json.loads(w.stdout.readline() or "{}")
@@ -285,6 +311,7 @@ def run_cell(a: argparse.Namespace, total: int, nregions: int, rate: int) -> dic
             time.sleep(a.seconds)
             s1, cpu1, kd1, t1 = c.stats(), cpu_seconds(d.pid), kdamond_cpu(), time.monotonic()
             rss1 = rss_bytes(d.pid)
+            anon1, file1, maps1 = rss_bytes(d.pid, "RssAnon"), rss_bytes(d.pid, "RssFile"), rss_by_mapping(d.pid)
             wall = t1 - t0
             bounds, c1 = hist_counts(s1["tick_seconds_hist"])
             _, c0 = hist_counts(s0["tick_seconds_hist"])
@@ -318,6 +345,10 @@ def run_cell(a: argparse.Namespace, total: int, nregions: int, rate: int) -> dic
                 "measure_s_per_s": meas / wall, "measure_kind": meas_kind,
                 "measure_s_per_pass": (meas / wall) * pass_s if pass_s else None, "pass_s": pass_s,
                 "rss_bytes": rss1, "rss_fixed_bytes": rss0, "rss_per_block": (rss1 - rss0) / blocks,
+                # the growth split: anonymous memory (the table, arenas, buffers) per block, and
+                # file pages (library code run for the first time) that no block adds to
+                "rss_anon_per_block": (anon1 - anon0) / blocks, "rss_file_growth_bytes": file1 - file0,
+                "rss_growth_by_mapping": rss_growth(maps0, maps1),
                 "hints_applied": s1["block_hints_total"] - s0["block_hints_total"],
                 # swap turned on or off, a node on- or offlined (by other users of
                 # the host) while the cell ran: the daemon then re-measures every
@@ -400,8 +431,8 @@ def main() -> int:
           f"block {fmt_size(a.block)}, one page touched per {fmt_size(a.touch_every)}")
     print("| registered | regions | blocks | hinted/s | load | daemon CPU % | kdamond % | tick p50 / p99 ms "
           "| tick CPU p50 / p99 ms | skipped | measure s/s | measure s/pass | fixed RSS MiB | RSS B/block "
-          "| scrape ms | ingest M/s (wall, per CPU-s) | topology changes |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
+          "| of it anon B/block, file KiB | scrape ms | ingest M/s (wall, per CPU-s) | topology changes |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     results = []
     for total, nregions, rate in cells:
         r = run_cell(a, total, nregions, rate)
@@ -413,7 +444,9 @@ def main() -> int:
               f"{r['daemon_cpu_pct']:.1f} | {r['kdamond_cpu_pct']:.1f} | "
               f"{r['tick_p50_ms']:.1f} / {r['tick_p99_ms']:.1f} | {r['tick_cpu_p50_ms']:.1f} / {r['tick_cpu_p99_ms']:.1f} | "
               f"{r['ticks_skipped_busy']} | {r['measure_s_per_s']:.3f} | {'' if mp is None else f'{mp:.2f}'} | "
-              f"{r['rss_fixed_bytes'] / (1 << 20):.1f} | {r['rss_per_block']:.0f} | {r['scrape_ms']:.1f} | {ing_s} | {r['topology_events']} |",
+              f"{r['rss_fixed_bytes'] / (1 << 20):.1f} | {r['rss_per_block']:.0f} | "
+              f"{r['rss_anon_per_block']:.0f}, {r['rss_file_growth_bytes'] / 1024:.0f} | {r['scrape_ms']:.1f} | {ing_s} | "
+              f"{r['topology_events']} |",
               flush=True)
     slopes = rss_slopes(results)
     if slopes:
