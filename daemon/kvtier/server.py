@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import errno
+import fcntl
 import grp
 import logging
 import os
@@ -27,6 +28,7 @@ import select
 import socket
 import stat
 import struct
+import termios
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -223,6 +225,15 @@ class FdFrame(bytes):
 # matched against the regions the connection may hint, with one isin: a
 # ring full of made-up region ids then costs a sort, not a lookup each.
 RING_REGIONS_DIRECT = 64
+
+
+def _unread_bytes(fd: int) -> int:
+    """Bytes this socket sent that its peer has not read yet (SIOCOUTQ; on a
+    unix stream socket the kernel frees a sent buffer only once it is read)."""
+    try:
+        return struct.unpack("i", fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    except OSError:
+        return 0
 
 
 def _error_of(exc: BaseException) -> protocol.ProtocolError:
@@ -1458,13 +1469,16 @@ class Connection(asyncio.Protocol):
         """Send ``frame`` with its fd attached (SCM_RIGHTS) straight on the
         socket: b"" once sent, else an error answer to send instead. The fd
         rides on the frame's first bytes, so nothing may be queued before
-        them in the transport: a client that has not read its answers is
-        told to read them and ask again."""
+        them in the transport, nor unread in the socket (SIOCOUTQ: bytes
+        sent that the client has not read yet): a client that has not read
+        its answers is told to read them and ask again. Checking only the
+        transport's buffer, the fd rode behind answers the client had not
+        read, which a plain read(2) of them past their frame discards."""
         tr = self.transport
         sent = -1
         why = "answers to earlier requests are unread: read them, then ask again"
         sock = tr.get_extra_info("socket") if tr is not None else None
-        if sock is not None and not tr.get_write_buffer_size():
+        if sock is not None and not tr.get_write_buffer_size() and not _unread_bytes(sock.fileno()):
             # asyncio's socket wrapper has no sendmsg; a dup of the fd is the
             # same socket (and already non-blocking).
             dup = socket.socket(fileno=os.dup(sock.fileno()))

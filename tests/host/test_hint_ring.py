@@ -5,17 +5,21 @@ ring goes away with the connection."""
 
 from __future__ import annotations
 
+import array
 import json
 import mmap
 import os
+import socket
 import subprocess
+import time
 
+import msgspec
 import numpy as np
 import pytest
 
 import waiting
 from kvtier import protocol
-from test_daemon import DROP, NOBODY, PY, ChildClient, DaemonProc, wait_for, workdir  # noqa: F401  (fixtures)
+from test_daemon import DROP, NOBODY, PY, ChildClient, DaemonProc, daemon, wait_for, workdir  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.root
 
@@ -267,3 +271,53 @@ def test_the_ring_goes_away_with_the_connection(slow_drain):
     with d.client(hint_ring=False) as c:
         st = c.stats()
         assert st["hint_rings_open"] == 0 and st["hint_ring_entries"]["accepted"] == 3
+
+
+def _frame(payload: dict) -> bytes:
+    body = protocol.encode_value(payload)
+    return len(body).to_bytes(4, "big") + body
+
+
+def _read_frame(s, with_fd: bool = False) -> tuple[dict, list[int]]:
+    """One answer frame; with_fd reads its header with recvmsg and returns
+    the fds riding on it (SCM_RIGHTS)."""
+    fds: list[int] = []
+    if with_fd:
+        head, anc, _, _ = s.recvmsg(4, socket.CMSG_SPACE(4), socket.MSG_WAITALL)
+        for level, kind, data in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds += array.array("i", data[: len(data) - len(data) % 4]).tolist()
+    else:
+        head = s.recv(4, socket.MSG_WAITALL)
+    body = s.recv(int.from_bytes(head, "big"), socket.MSG_WAITALL)
+    return msgspec.msgpack.decode(body), fds
+
+
+def test_no_ring_fd_behind_answers_the_client_has_not_read(daemon):
+    """docs/protocol.md, hint_ring: the fd is sent only when no earlier
+    answer of the connection is still unread, else `unavailable`. The
+    daemon used to look only at its own write buffer, so a `status` answer
+    already in the socket, not yet read by the client, went out with the
+    ring's fd right behind it: a client reading that answer with a plain
+    read(2) of more than its frame loses the fd, and has been told
+    `new: true`."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(30)
+        s.connect(daemon.sock)
+        s.sendall(_frame({"op": "status", "id": 1}) + _frame({"op": "hint_ring", "id": 2}))
+        time.sleep(0.3)  # both answered: status's is in the socket, unread
+        status, fds = _read_frame(s, with_fd=True)
+        assert status["id"] == 1 and status["ok"] and fds == []
+        refused, fds = _read_frame(s, with_fd=True)
+        for fd in fds:
+            os.close(fd)
+        assert fds == [] and refused["id"] == 2 and not refused["ok"], refused
+        assert refused["error"]["code"] == "unavailable" and "unread" in refused["error"]["message"]
+        # Nothing was created: asked again with every answer read, the ring comes, new.
+        s.sendall(_frame({"op": "hint_ring", "id": 3}))
+        ring, fds = _read_frame(s, with_fd=True)
+        try:
+            assert ring["ok"] and ring["result"]["new"] is True and len(fds) == 1
+        finally:
+            for fd in fds:
+                os.close(fd)
