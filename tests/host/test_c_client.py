@@ -30,6 +30,7 @@ import pytest
 from kvtierd import acting
 from kvtier.client import Client
 from protocol_doc import doc_examples
+from test_daemon import DaemonProc, workdir  # noqa: F401  (fixture)
 from waiting import wait_for
 
 pytestmark = pytest.mark.root
@@ -234,3 +235,61 @@ def test_doc_examples_against_kvtierd(kvtierd):
     with Client(kvtierd.socket) as py:
         wait_for(lambda: all(r["id"] != region for r in py.regions()), "the replay child's region dropped",
                  timeout=DEADLINE, interval=0.1)
+
+
+# A second C client, tests/host/c_client/doc_client.c, written from
+# docs/protocol.md alone by another hand: it walks every op's answer
+# schema, the paging of query/blocks/regions, the hint ring (layout, wrap
+# around, bad words, the unread-answers refusal), regions that go away,
+# someone else's region (a child as uid 65534) and the error rows of
+# section 6.1; in "limits" mode, against a daemon with small limits, the
+# rate limit, the frame and idle timeouts, the frame size edge, paging at a
+# small max_message_bytes and the per-uid connection limit. It prints one
+# "ok"/"FAIL" line a check and exits with the number of failures.
+DOC_CLIENT = Path(__file__).resolve().parent / "c_client" / "doc_client.c"
+DOC_CLIENT_LIMITS = """\
+    [limits]
+    max_message_bytes = 8192
+    request_burst = 3
+    requests_per_second = 20
+    frame_timeout = 0.5
+    idle_timeout = 3
+    max_connections_per_uid = 4
+    """
+
+
+@pytest.fixture(scope="module")
+def doc_client(tmp_path_factory) -> str:
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.skip("no gcc: tests/host/c_client/doc_client.c cannot be built")
+    out = tmp_path_factory.mktemp("docclient") / "doc_client"
+    r = subprocess.run([gcc, "-std=c11", "-Wall", "-Wextra", "-Werror", "-O2", "-o", str(out), str(DOC_CLIENT), "-lm"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, f"gcc failed:\n{r.stderr}"
+    return str(out)
+
+
+def _run_doc_client(binary: str, workdir: str, config: str, *args: str) -> str:
+    d = DaemonProc(workdir, config).start()  # a world-traversable dir: the uid 65534 child connects too
+    try:
+        r = subprocess.run([binary, d.sock, *args], capture_output=True, text=True, timeout=240)
+    finally:
+        rc = d.stop()
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, f"doc_client {' '.join(args)} failed (exit {r.returncode}):\n" + "\n".join(
+        line for line in out.splitlines() if not line.startswith("ok "))
+    assert out.rstrip().endswith("0 failures"), out
+    assert rc == 0 and "Traceback" not in d.read_log(), d.read_log()
+    return out
+
+
+def test_doc_client_against_kvtierd(doc_client, workdir):
+    out = _run_doc_client(doc_client, workdir, "")
+    assert out.count("\nok ") > 300, out  # every check ran
+    assert "skip other-uid checks" not in out
+
+
+def test_doc_client_limits_against_kvtierd(doc_client, workdir):
+    out = _run_doc_client(doc_client, workdir, DOC_CLIENT_LIMITS, "limits")
+    assert out.count("\nok ") > 30, out
