@@ -175,6 +175,8 @@ class DaemonRing(_Mapped):
         self.current = 0  # the region in force after the words consumed (0: none yet)
         self.bad_heads = 0
         self.bad_heads_seen = 0  # of bad_heads, those already counted in ``counts``
+        self.taken = 0  # words the last take copied out
+        self.waiting = 0  # words published and left in the ring by the last take (its ``limit``)
         self.counts: collections.Counter = collections.Counter()  # result -> hints (ACCEPTED, BAD_*)
 
     def close_fd(self) -> None:
@@ -188,7 +190,7 @@ class DaemonRing(_Mapped):
         regions, lengths, blocks = self.take_runs()
         return np.repeat(regions, lengths), blocks
 
-    def take_runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def take_runs(self, limit: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The hints published since the last take, decoded from a copy of
         the shared words (at most ``capacity``), as runs: (region of each
         run (uint32; 0: none yet), hints in each run (int64), the hints'
@@ -199,7 +201,8 @@ class DaemonRing(_Mapped):
         words (one per client batch). A head that is not within
         ``capacity`` of our tail is counted in ``bad_heads`` and nothing is
         taken; the tail jumps to it, so a client that wrote one bad head
-        carries on from there."""
+        carries on from there. ``limit``: take at most that many words,
+        the rest left for the next take (``waiting`` says how many)."""
         head = self.head[0]  # one load: the client may change it meanwhile
         n = (head - self.consumed) & MASK64
         if n > self.capacity:
@@ -207,11 +210,16 @@ class DaemonRing(_Mapped):
             self.consumed = head
             self.tail[0] = head
             n = 0
+        if limit is not None and n > limit:
+            n = max(0, limit)
+        self.waiting = 0
+        self.taken = n
         if not n:
             return np.zeros(0, np.uint32), np.zeros(0, np.int64), np.zeros(0, np.uint32)
         words = self.copy_out(self.consumed, n)
-        self.consumed = head
-        self.tail[0] = head  # after the copy: the client may reuse these slots now
+        self.waiting = (head - self.consumed - n) & MASK64
+        self.consumed = (self.consumed + n) & MASK64
+        self.tail[0] = self.consumed  # after the copy: the client may reuse these slots now
         is_hint = words < REGION_BIT
         at = np.flatnonzero(~is_hint)
         if not at.size:
