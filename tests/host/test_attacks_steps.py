@@ -14,6 +14,7 @@ in flight at most; a 4 Mi-block op is 512 steps now).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import threading
@@ -69,6 +70,11 @@ for i, line in enumerate(sys.stdin):
         print(json.dumps({"ok": ok}), flush=True)
         continue
     req = {**req, "id": i + 2, "region": region}
+    if "hints" in req:  # a hint of that many entries, each block in turn
+        import numpy as np
+        b = np.arange(req.pop("hints"), dtype="<u4") % nblocks
+        b[-1] = req.pop("last", b[-1])
+        req["blocks"] = b.tobytes()
     t0 = time.monotonic()
     r = call(req)
     t1 = time.monotonic()
@@ -104,6 +110,10 @@ class Watcher(threading.Thread):
             r = raw_call(self.s, reader, {"op": "stats", "id": i})
             assert r.ok, r
             self.answers.append(time.monotonic())
+            self.keep(r.result)
+
+    def keep(self, stats: dict) -> None:
+        """What a subclass keeps of each answer."""
 
     def longest_wait(self, t0: float, t1: float) -> float:
         """The longest time in [t0, t1] without an answer."""
@@ -124,6 +134,31 @@ def _stop(d, watcher, attacker) -> None:
     assert d.stop() == 0
     log = d.read_log()
     assert "Traceback" not in log and "internal error" not in log, log[-3000:]
+
+
+@contextlib.contextmanager
+def _attacked(workdir: str, watcher_cls: type = Watcher):
+    """kvtierd, the nobody attacker with its NBLOCKS region and a watcher
+    asking ``stats`` back to back: (d, send, watcher), ``send(request)`` the
+    attacker's answer line; all stopped at the end (``_stop``)."""
+    d = DaemonProc(workdir, args=("--set", "daemon.tick_interval=1.0")).start()
+    attacker = watcher = None
+    try:
+        attacker = subprocess.Popen([PY, "-c", ATTACKER, d.sock, str(NBLOCKS)],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert attacker.stdout.readline(), f"the attacker died (rc={attacker.poll()})"
+        watcher = watcher_cls(d.sock)
+        watcher.start()
+        time.sleep(0.2)
+
+        def send(req: dict) -> dict:
+            attacker.stdin.write(json.dumps(req) + "\n")
+            attacker.stdin.flush()
+            return json.loads(attacker.stdout.readline())
+
+        yield d, send, watcher
+    finally:
+        _stop(d, watcher, attacker)
 
 
 def test_whole_region_ops_on_a_huge_region_do_not_hold_other_clients(workdir):
@@ -318,20 +353,10 @@ def test_ages_of_4mi_blocks_is_worked_off_the_loop_others_answered_meanwhile(wor
     64 Ki rows at a time: another client's answers arrive while it runs,
     and its answer still counts every byte, for the region's owner (the
     rows of its regions) and for root (the whole table)."""
-    d = DaemonProc(workdir, args=("--set", "daemon.tick_interval=1.0")).start()
-    attacker = watcher = None
-    try:
-        attacker = subprocess.Popen([PY, "-c", ATTACKER, d.sock, str(NBLOCKS)],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert attacker.stdout.readline(), f"the attacker died (rc={attacker.poll()})"
-        watcher = Watcher(d.sock)
-        watcher.start()
-        time.sleep(0.2)
+    with _attacked(workdir) as (d, send, watcher):
         tries = []
         for _ in range(3):
-            attacker.stdin.write(json.dumps({"op": "ages"}) + "\n")
-            attacker.stdin.flush()
-            got = json.loads(attacker.stdout.readline())
+            got = send({"op": "ages"})
             assert got["ok"], got
             tries.append(len([t for t in watcher.answers if got["t0"] < t < got["t1"]]))
             if tries[-1] >= MIN_ANSWERS:
@@ -342,5 +367,35 @@ def test_ages_of_4mi_blocks_is_worked_off_the_loop_others_answered_meanwhile(wor
             everyone = c.request("ages")
         assert sum(sum(r["bytes"]) for r in everyone["rows"]) == NBLOCKS * 4096, everyone
         print(f"answers during ages: {tries}")
-    finally:
-        _stop(d, watcher, attacker)
+
+
+class HintsSeen(Watcher):
+    """A Watcher that keeps the daemon's ``block_hints_total`` of each answer."""
+
+    def __init__(self, sock: str):
+        super().__init__(sock)
+        self.seen: list[int] = []
+
+    def keep(self, stats: dict) -> None:
+        self.seen.append(stats["block_hints_total"])
+
+
+def test_a_hint_of_4mi_entries_is_folded_in_steps_others_answered_meanwhile(workdir):
+    """One ``hint`` frame of 16 MiB (4 Mi block indices, within
+    max_message_bytes) was folded in one go: the loop held 100-200 ms, every
+    other client waiting. Now a hint naming more than OP_STEP_BLOCKS
+    entries is checked whole and folded in steps like the other large block
+    ops: another client's ``stats`` sees the count part done. A bad index
+    anywhere still refuses the whole message before any is applied."""
+    n = (16 << 20) // 4 - 64
+    with _attacked(workdir, HintsSeen) as (_, send, watcher):
+        got = send({"op": "hint", "hints": n})
+        assert got["ok"] and got["result"] == {"accepted": n}, got
+        wait_for(lambda: watcher.seen and watcher.seen[-1] == n, "the watcher sees every hint")
+        partial = {v for v in watcher.seen if 0 < v < n}
+        assert len(partial) >= MIN_ANSWERS, f"counts another client saw while the hint ran: {sorted(partial)}"
+        # the same with the last index past the region's end: nothing applied
+        got = send({"op": "hint", "hints": n, "last": NBLOCKS})
+        assert not got["ok"] and "invalid_argument" in got["result"], got
+        time.sleep(0.1)
+        assert watcher.seen[-1] == n
