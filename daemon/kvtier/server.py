@@ -494,6 +494,29 @@ class OpSteps(UidTurns):
             self._again()
 
 
+def _may_register(peer: Peer, pid: int, own: bool) -> None:
+    """PermissionDenied unless an unprivileged peer could ptrace-read the
+    process itself (the kernel's rule, which the daemon's CAP_SYS_PTRACE
+    would otherwise bypass): every uid of it (real, effective, saved) the
+    peer's, every gid the peer's, and, for another process than the
+    connecting one, dumpable. A setgid program (unix_chkpwd, chage) keeps
+    the user's uids; a setuid-root program that only lowered its effective
+    uid keeps root's saved uid; ssh-agent and gpg-agent make themselves
+    undumpable so that their own user cannot read them."""
+    uids, gids, owner = procfs.read_creds(pid, peer.proc_root)
+    why = None
+    if any(u != peer.uid for u in uids[:3]):
+        why = f"it runs as uids {'/'.join(map(str, uids[:3]))}, you are uid {peer.uid}"
+    elif any(g != peer.gid for g in gids[:3]):
+        why = f"it runs as gids {'/'.join(map(str, gids[:3]))}, you are gid {peer.gid}"
+    elif not own and owner != (peer.uid, peer.gid):
+        why = "it is not dumpable (setuid/setgid exec, setuid() or prctl(PR_SET_DUMPABLE, 0)): its own user may not read it"
+    if why is not None:
+        raise PermissionDenied(errno.EPERM, f"register memory of pid {pid}",
+                               f"{why}; only root or security.admin_group may register memory of a process "
+                               "its user could not ptrace")
+
+
 class ControlAPI:
     """One method per op: ``handle(peer, request) -> result``. Raises typed
     errors; the transport turns them into error responses."""
@@ -573,12 +596,7 @@ class ControlAPI:
                                   "no such process") from None
         try:
             if not peer.privileged:
-                ruid, euid = procfs.read_uids(pid, peer.proc_root)
-                if ruid != peer.uid or euid != peer.uid:
-                    raise PermissionDenied(
-                        errno.EPERM, f"register memory of pid {pid}",
-                        f"it runs as uid {ruid}/{euid}, you are uid {peer.uid}; only root or "
-                        "security.admin_group may register another user's memory")
+                _may_register(peer, pid, own)
             start = procfs.read_start_time(pid, peer.proc_root)
             if own:
                 peer.live_pid()

@@ -259,3 +259,74 @@ def test_a_region_of_a_process_that_execs_a_setuid_program_is_dropped(workdir):
         shutil.rmtree(bindir, ignore_errors=True)
         assert d.stop() == 0
         assert "Traceback" not in d.read_log(), d.read_log()
+
+
+# A process of nobody's uid and the given gid: maps and writes 1 MiB, says
+# where, waits on stdin. Dumpable (setuid() made it undumpable: it says so
+# again, as a process exec'd with those ids is), or with "undumpable" not,
+# as ssh-agent and gpg-agent make themselves so that their own user cannot
+# read their memory.
+VICTIM = DROP + r"""
+import ctypes, json, mmap
+from kvtier.client import buffer_address
+drop(65534, int(sys.argv[2]))
+ctypes.CDLL(None).prctl(4, int(sys.argv[1] != "undumpable"), 0, 0, 0)  # PR_SET_DUMPABLE
+buf = mmap.mmap(-1, 1 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+buf.write(b"S" * (1 << 20))
+print(json.dumps({"addr": buffer_address(buf)[0]}), flush=True)
+sys.stdin.read()
+"""
+
+# As nobody: registers another process's memory (pid, addr), answers what the daemon said.
+REGISTER_OTHER = DROP + r"""
+import json
+from kvtier import protocol
+from kvtier.client import Client
+drop(65534, 65534)
+c = Client(sys.argv[1])
+try:
+    c.call(protocol.Register(pid=int(sys.argv[2]), start=int(sys.argv[3]), length=1 << 20, block_size=1 << 16))
+    print(json.dumps({"ok": True}))
+except Exception as e:
+    print(json.dumps({"ok": False, "code": getattr(e, "code", type(e).__name__), "message": str(e)}))
+"""
+
+
+def test_a_user_registers_only_memory_of_processes_it_could_ptrace(workdir):
+    """The daemon acts with CAP_SYS_PTRACE, so its register check is the
+    only thing between a user and processes of its uid the kernel keeps it
+    out of. It compared the real and effective uid only: nobody registered
+    (and could then page out, move, measure) the memory of its own
+    undumpable process (ssh-agent, gpg-agent: /proc/PID/mem refused to
+    nobody itself) and of a process running with its uids but another
+    group (a setgid program: unix_chkpwd, chage, holding what its group may
+    read). Now it must be a process nobody could ptrace-read: every uid and
+    gid nobody's, and dumpable. nobody's own plain process still may."""
+    d = DaemonProc(workdir).start()
+    victims = []
+    try:
+        def victim(kind: str, group: int) -> tuple[int, int]:
+            p = subprocess.Popen([PY, "-c", VICTIM, kind, str(group)], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
+            victims.append(p)
+            return p.pid, json.loads(p.stdout.readline())["addr"]
+
+        def register(pid: int, addr: int) -> dict:
+            out = subprocess.run([PY, "-c", REGISTER_OTHER, d.sock, str(pid), str(addr)], capture_output=True,
+                                 text=True, timeout=DEADLINE)
+            assert out.returncode == 0, out.stderr
+            return json.loads(out.stdout)
+
+        undumpable = register(*victim("undumpable", NOBODY))
+        assert undumpable["code"] == "permission_denied" and "not dumpable" in undumpable["message"], undumpable
+        setgid = register(*victim("plain", 0))  # nobody's uids, root's gids
+        assert setgid["code"] == "permission_denied" and "gids 0/0/0" in setgid["message"], setgid
+        assert _status(d.sock)["regions"] == 0
+        assert register(*victim("plain", NOBODY))["ok"]
+        assert _status(d.sock)["regions"] == 1
+    finally:
+        for p in victims:
+            p.kill()
+            p.wait()
+        assert d.stop() == 0
+        assert "Traceback" not in d.read_log(), d.read_log()

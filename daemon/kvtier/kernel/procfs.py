@@ -190,6 +190,23 @@ def read_uids(pid: int, proc_root: str = "/proc") -> tuple[int, int]:
     return int(f[0]), int(f[1])
 
 
+def read_creds(pid: int, proc_root: str = "/proc") -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, int]]:
+    """What the kernel's ptrace access check looks at: the (real, effective,
+    saved, filesystem) uids and gids from /proc/PID/status, and the owner
+    (uid, gid) of that file: the process's effective ids while it is
+    dumpable, root's once it is not (exec of a setuid or setgid program, a
+    setuid() call, prctl(PR_SET_DUMPABLE, 0) as ssh-agent and gpg-agent do)."""
+    path = _pid_path(proc_root, pid, PROC_STATUS)
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise ProcessGone(e.errno or errno.ESRCH, f"stat {path}", e.strerror or "") from None
+    uid, gid = _status_field(pid, "Uid", proc_root), _status_field(pid, "Gid", proc_root)
+    if uid is None or gid is None:
+        raise ProcessGone(errno.ESRCH, f"read {path}", "no Uid or Gid line")
+    return tuple(map(int, uid.split())), tuple(map(int, gid.split())), (st.st_uid, st.st_gid)
+
+
 def read_cpus_allowed(pid: int, proc_root: str = "/proc") -> list[int]:
     """CPUs the process may run on (Cpus_allowed_list of /proc/PID/status:
     its affinity mask, cpusets included)."""
