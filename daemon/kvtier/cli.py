@@ -67,6 +67,19 @@ def nonneg_int(text: str) -> int:
     return _number(text, int, lambda v: v >= 0, ">= 0")
 
 
+def printable(text: str) -> str:
+    """``text`` for a terminal: every character that is not printable but a
+    line break (escape sequences, carriage returns, bidi overrides) shown as
+    its Python escape. Region names, tenants and daemon messages come from
+    any client of the socket: printed as they are, a name could retitle,
+    clear or rewrite the operator's terminal (OSC, CSI), or hide a line."""
+    if text.isprintable():
+        return text
+    return "\n".join(line if line.isprintable() else
+                     "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in line)
+                     for line in text.split("\n"))
+
+
 def report(as_json: bool, prog: str, code: str, message: str, *, errno: int = 0, op: str = "") -> None:
     """One error, as text on stderr or as JSON on stdout."""
     if as_json:
@@ -77,7 +90,7 @@ def report(as_json: bool, prog: str, code: str, message: str, *, errno: int = 0,
             err["op"] = op
         emit_json({"error": err})
     else:
-        print(f"{prog}: {message}", file=sys.stderr)
+        print(printable(f"{prog}: {message}"), file=sys.stderr)
 
 
 def emit_json(doc: Any) -> None:

@@ -410,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
                         # is never held whole.
                         try:
                             for line in answer.lines():
-                                print(line, flush=True)
+                                print(cli.printable(line), flush=True)
                         except BrokenPipeError:
                             return cli.stdout_closed()
                         return 0
@@ -428,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.json:
             cli.emit_json(data)
         else:
-            print(text, flush=True)
+            print(cli.printable(text), flush=True)
     except BrokenPipeError:
         return cli.stdout_closed()
     if a.cmd == "migrate" and (data.get("failed") or data.get("unmapped")):

@@ -59,6 +59,10 @@ def quote(value: Any) -> str:
     if s and not any(c in s for c in ' ="\\\n\t') and s.isprintable():
         return s
     esc = s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t")
+    if not esc.isprintable():
+        # terminal escapes, carriage returns, bidi overrides in a client's
+        # region name or tenant: shown as escapes, never sent to the reader
+        esc = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in esc)
     return f'"{esc}"'
 
 

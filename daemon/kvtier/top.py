@@ -200,14 +200,15 @@ def render(sample: Sample, prev: Sample | None = None, width: int = 100, height:
         lines.append(title)
         lines.append(head)
         for r in rows:
-            lines.append(f"  {r['id']:>4} {str(r.get('name', ''))[:16]:<16} {str(r.get('tenant', ''))[:10]:<10} "
+            name, tenant = (cli.printable(str(r.get(k, ""))) for k in ("name", "tenant"))
+            lines.append(f"  {r['id']:>4} {name[:16]:<16} {tenant[:10]:<10} "
                          f"{r.get('pid', 0):>7} {human(r.get('length', 0)):>10} {region_heat(r):>8.2f} "
                          f"{pct(region_fast_share(r)):>8}")
     if not regions:
         lines.append("no regions registered")
     warnings = eng.get("warnings") or []
     for w in warnings[: max(0, height - len(lines) - 1)]:
-        lines.append(f"! {w}")
+        lines.append(f"! {cli.printable(str(w))}")
     return [ln[:width] for ln in lines[:height]]
 
 
