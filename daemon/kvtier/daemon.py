@@ -123,7 +123,7 @@ class Daemon:
         self.availability = sources_mod.probe_all(self.sources)
         self.engine = Engine(
             self.table, self.registry, self.topology, self.migrator, self.temperature,
-            policy_config(cfg, self.registry.tenant_id), self.stats, loop,
+            policy_config(cfg, self.registry.quota_tenant_id), self.stats, loop,
             residency_interval=d.residency_interval, residency_pages_per_s=d.residency_pages_per_s,
             residency_sample_pages=d.residency_sample_pages, residency_idle_slowdown=d.residency_idle_slowdown,
             source_cpu_budget=d.source_cpu_budget, sources=self.sources, availability=self.availability, recorder=self.recorder,
@@ -282,7 +282,7 @@ class Daemon:
         try:
             new = config.load(self.config_path, missing_ok=self.config_path == config.DEFAULT_PATH,
                               overrides=self.overrides)
-            pcfg = policy_config(new, self.registry.tenant_id)
+            pcfg = policy_config(new, self.registry.quota_tenant_id)
             changed = self.cfg.differences(new)
             fixed = [k for k in changed if k in RESTART_KEYS]
             if fixed:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import heapq
 import logging
 import time
 from dataclasses import asdict, dataclass, field
@@ -46,6 +47,8 @@ log = logging.getLogger("kvtier.registry")
 
 CONSTRAINT_FLAGS = {"keep_dram": F_KEEP_DRAM, "never_swap": F_NEVER_SWAP}
 MIN_BLOCK_SIZE = 4096
+# tenant ids are int16 in the block table
+TENANT_ID_MAX = int(np.iinfo(np.int16).max)
 
 
 def _flags(constraints, pinned: bool, engine: bool) -> int:
@@ -237,6 +240,9 @@ class Registry:
         # is what tells that its memory is no longer its owner's.
         self.pid_uids: dict[int, tuple[int, int]] = {}
         self.tenants: dict[str, int] = {"": 0}
+        self.tenants_kept: set[str] = set()  # names the config gives quotas: their ids stay theirs
+        self._tenant_free: list[int] = []  # heap of ids to hand out
+        self._tenant_next = 1  # ids from here on were never handed out
         self.next_id = 1
         self.generation = 0  # bumped whenever table rows shift (region added/removed)
         self.recorder = recorder  # kvtier.record.Recorder when [record] is on
@@ -244,14 +250,40 @@ class Registry:
 
     # -- registration ----------------------------------------------------
 
-    def tenant_id(self, name: str) -> int:
+    def tenant_id(self, name: str, keep: bool = False) -> int:
+        """The id of tenant ``name``, a new one if it has none. ``keep``: the
+        config names it (a DRAM quota), so its id is never handed to another
+        name. Ids are int16 (the table's column); when they run out, those
+        of names that no region and no quota uses are taken back."""
         tid = self.tenants.get(name)
         if tid is None:
-            tid = len(self.tenants)
-            if tid > np.iinfo(np.int16).max:
-                raise LimitExceeded(f"too many distinct tenants ({tid})")
+            if not self._tenant_free:
+                self._collect_tenants()
+            if not self._tenant_free:
+                raise LimitExceeded(f"too many distinct tenants ({len(self.tenants)}) in use by regions "
+                                    "and quotas")
+            tid = heapq.heappop(self._tenant_free)
             self.tenants[name] = tid
+        if keep:
+            self.tenants_kept.add(name)
         return tid
+
+    def quota_tenant_id(self, name: str) -> int:
+        """``tenant_id`` of a name the config gives a DRAM quota (kept)."""
+        return self.tenant_id(name, keep=True)
+
+    def _collect_tenants(self) -> None:
+        """Free the ids of the names no region and no quota uses: a name
+        given in a request that failed, or whose regions are all gone, holds
+        none (a client naming a new tenant per request took every id, and
+        every later register with a new tenant was refused until restart)."""
+        used = {r.tenant_id for r in self.regions.values()}
+        gone = [n for n, t in self.tenants.items() if n and t not in used and n not in self.tenants_kept]
+        for n in gone:
+            heapq.heappush(self._tenant_free, self.tenants.pop(n))
+        if not self._tenant_free and self._tenant_next <= TENANT_ID_MAX:
+            self._tenant_free.append(self._tenant_next)
+            self._tenant_next += 1
 
     def add(
         self,
@@ -297,10 +329,12 @@ class Registry:
                 region_id, pid, start, length, block_size, flags=flags, priority=priority, tenant=tid
             )
         else:
-            if (staged.pid, staged.start, staged.length, staged.block_size, staged.flags, staged.priority,
-                    staged.tenant) != (pid, start, length, block_size, flags, priority, tid):
+            if (staged.pid, staged.start, staged.length, staged.block_size, staged.flags, staged.priority
+                    ) != (pid, start, length, block_size, flags, priority):
                 raise InvalidArgument("staged rows are not this region's")
             self.table.publish(staged, region_id)
+            if staged.tenant != tid:  # staged under a placeholder: ids are made for regions that exist
+                self.table.region_view(region_id, "tenant")[:] = tid
         if pinned:
             self.table.region_view(region_id, "stuck")[:] = STUCK_DECLARED
         if engine:
@@ -391,7 +425,7 @@ class Registry:
         of all of them at once."""
         self._admit(pid, start, length, block_size, start_time, None)
         return self.table.stage(pid, start, length, block_size, flags=_flags(constraints, pinned, False),
-                                priority=priority, tenant=self.tenant_id(tenant))
+                                priority=priority, tenant=self.tenants.get(tenant, 0))
 
     def set_engine_tiers(self, region_id: int, tiers: np.ndarray) -> None:
         """Where an engine-mode region's blocks are, as its owner says (the

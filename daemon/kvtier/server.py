@@ -673,7 +673,9 @@ class ControlAPI:
         and register it; the client mbinds it there before the first touch."""
         pid, start_time = self._register_target(peer, None)
         want = None if req.tier == "auto" else self._tier_index(req.tier)
-        tid = self.registry.tenant_id(req.tenant)
+        # a tenant no region has yet has no DRAM in use; its name is not
+        # given an id before a region of it is added (registry.tenant_id)
+        tid = self.registry.tenants.get(req.tenant, -1)
         where = placement.choose(req.length, self._tier_rooms(pid, tid), want, req.pinned)
         plc = {"tier": where.tier, "tier_name": where.tier_name, "node": where.node, "reason": where.reason}
         reg = self.registry.add(

@@ -8,6 +8,7 @@ fails (the commit that added it says how).
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import subprocess
 
@@ -280,6 +281,7 @@ sys.stdin.read()
 # As nobody: registers another process's memory (pid, addr), answers what the daemon said.
 REGISTER_OTHER = DROP + r"""
 import json
+import mmap
 from kvtier import protocol
 from kvtier.client import Client
 drop(65534, 65534)
@@ -328,5 +330,40 @@ def test_a_user_registers_only_memory_of_processes_it_could_ptrace(workdir):
         for p in victims:
             p.kill()
             p.wait()
+        assert d.stop() == 0
+        assert "Traceback" not in d.read_log(), d.read_log()
+
+
+def test_failed_requests_naming_new_tenants_do_not_use_up_the_tenant_ids(workdir):
+    """Tenant ids are int16. ``allocate`` gave a request's tenant name an id
+    before anything was checked, and ids were never taken back: 32,767
+    pipelined allocates of an unmapped range, each naming a new tenant and
+    each refused, left every later register naming a new tenant refused
+    (limit_exceeded, too many distinct tenants) until a restart. Now a
+    name gets an id only with a region, and the ids of names no region
+    and no quota uses are taken back when they run out."""
+    d = DaemonProc(workdir).start()
+    try:
+        s = _connect(d.sock)
+        n = 32_800
+        blob = b"".join(protocol.frame(msgspec.msgpack.encode(
+            {"op": "allocate", "id": i + 1, "start": 4096, "length": 4096, "block_size": 4096,
+             "tenant": f"x{i}"})) for i in range(n))
+        s.sendall(blob)
+        reader, codes = protocol.FrameReader(1 << 30), {}
+        while sum(codes.values()) < n:
+            data = s.recv(1 << 20)
+            assert data, "daemon closed the connection"
+            for f in reader.feed(data):
+                r = protocol.decode_response(f)
+                code = r.error.code if r.error is not None else "ok"
+                codes[code] = codes.get(code, 0) + 1
+        assert set(codes) == {"range_not_mapped"}, codes
+        buf = mmap.mmap(-1, 2 * 4096)
+        ok = raw_call(s, reader, {"op": "register", "id": n + 1, "start": protocol_addr(buf), "length": 2 * 4096,
+                                  "block_size": 4096, "tenant": "a-new-tenant"})
+        assert ok.error is None, ok.error
+        s.close()
+    finally:
         assert d.stop() == 0
         assert "Traceback" not in d.read_log(), d.read_log()
