@@ -16,7 +16,8 @@ region's ``on_move`` may be a plain function or a coroutine function.
 A daemon that restarts is handled as the blocking client does: the calls
 waiting when the connection drops, and any call made while it is down,
 reconnect (waiting up to ``reconnect_timeout``, one coroutine connecting
-for all) and are sent again once; the daemon re-adopts registrations from
+for all; once such a wait ran out, calls fail at once until a connection is
+made again) and are sent again once; the daemon re-adopts registrations from
 its state file, so region handles stay valid, and engine regions are
 re-attached. Hints made meanwhile are queued (at most ``hint_queue_max``
 block hints, oldest dropped and counted in ``hints_dropped``), a hint
@@ -133,6 +134,7 @@ class AsyncClient:
         self.hints_dropped = 0
         self.reconnects = 0
         self.connected_once = False  # reconnect_timeout applies only after a connection existed
+        self.unreachable = False  # a reconnect's wait ran out, no connection since: the next ones try once
         self._held_hints: collections.deque[tuple[protocol.Hint, int]] = collections.deque()  # while disconnected
         self._held_blocks = 0
         self._connecting: asyncio.Lock | None = None
@@ -161,6 +163,7 @@ class AsyncClient:
         self.server = {}
         self.server = await self._call_once(protocol.Hello(client=self.name))
         self.connected_once = True
+        self.unreachable = False
         # A new connection executes the engine regions' moves from now on
         # (the daemon dropped the moves pending on the old one).
         for r in list(self._regions.values()):
@@ -187,7 +190,8 @@ class AsyncClient:
             if not self.connected_once:
                 await self.connect()
                 return
-            deadline = time.monotonic() + self.reconnect_timeout
+            # Once a wait ran out, the next ones try once (as Client._reconnect).
+            deadline = time.monotonic() + (0.0 if self.unreachable else self.reconnect_timeout)
             delay = 0.01
             while True:
                 try:
@@ -197,6 +201,7 @@ class AsyncClient:
                 except DaemonUnavailable:
                     self._drop_connection()
                     if time.monotonic() >= deadline:
+                        self.unreachable = True
                         raise
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 0.5)

@@ -29,7 +29,10 @@ oldest batches are dropped and counted in ``hints_dropped`` (hints are
 advisory; blocking a decode step for them is worse). If the daemon
 restarts, the next call reconnects (waiting up to ``reconnect_timeout``) and
 retries; the daemon re-adopts registrations from its state file, so region
-handles stay valid.
+handles stay valid. If it does not come back within that time the call
+raises DaemonUnavailable, and so does every later call at once (one connect
+attempt, no wait) until a connection is made again: a daemon that is gone
+costs the engine one wait, not one per call.
 """
 
 from __future__ import annotations
@@ -909,6 +912,10 @@ class Client:
         self.async_errors: list[KvtierClientError] = []  # answers to pipelined hints
         self.reconnects = 0
         self.connected_once = False  # reconnect_timeout applies only after a connection existed
+        # A wait of reconnect_timeout ran out and no connection was made
+        # since: the daemon is not restarting, it is gone, and every call
+        # waiting that long again would stall the engine that long per call.
+        self.unreachable = False
         # The shared-memory hint ring (kvtier.hintring), asked for once per
         # connection if ``hint_ring`` and the daemon has the op: when a
         # region is registered (or a connection made with regions held), so
@@ -947,6 +954,7 @@ class Client:
             raise DaemonUnavailable(self.path, why, e.errno or 0) from None
         self.sock = s
         self.connected_once = True
+        self.unreachable = False
         self._rbuf.clear()
         self._in_flight.clear()
         self._wpartial = b""
@@ -963,8 +971,13 @@ class Client:
             self._ready_ring()
 
     def _reconnect(self) -> None:
+        """Connect again, retrying for up to ``reconnect_timeout`` (a daemon
+        restarting). Once such a wait ran out, later calls try once and fail
+        at once (DaemonUnavailable) until a connection is made again (by a
+        call or a hint's attempt): the engine waits once per outage, not
+        once per call."""
         self.close_socket(salvage=True)
-        deadline = time.monotonic() + self.reconnect_timeout
+        deadline = time.monotonic() + (0.0 if self.unreachable else self.reconnect_timeout)
         delay = 0.01
         while True:
             try:
@@ -973,6 +986,7 @@ class Client:
                 return
             except (DaemonUnavailable, ConnectionError):
                 if time.monotonic() >= deadline:
+                    self.unreachable = True
                     raise
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)

@@ -109,6 +109,36 @@ def test_async_client_reports_a_missing_daemon(tmp_path):
     asyncio.run(main())
 
 
+def test_async_client_waits_once_for_a_daemon_that_stays_away(workdir):
+    """As the blocking client: the first call after the daemon went away
+    waits reconnect_timeout, the next ones fail at once until it is back."""
+    import time
+
+    d = DaemonProc(workdir).start()
+
+    async def main():
+        kv = AsyncClient(d.sock, reconnect_timeout=1.0)
+        await kv.connect()
+        assert d.stop() == 0
+        await asyncio.sleep(0.2)  # the reader sees the connection end
+        t0 = time.monotonic()
+        with pytest.raises(DaemonUnavailable):
+            await kv.status()
+        assert 0.9 < time.monotonic() - t0 < 10
+        t0 = time.monotonic()
+        with pytest.raises(DaemonUnavailable):
+            await kv.status()
+        assert time.monotonic() - t0 < 0.5
+        d.start()
+        assert (await kv.status())["server"] == "kvtierd"
+        await kv.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        d.stop()
+
+
 def test_async_client_reconnects_when_the_daemon_restarts(workdir):
     """Issue 14: like the blocking client, calls made while kvtierd is down
     and calls waiting when it dies reconnect and are answered once it is

@@ -863,6 +863,42 @@ def test_pipelined_hints_survive_a_daemon_restart(daemon):
     c.close()
 
 
+def test_a_daemon_that_stays_away_costs_one_reconnect_wait_not_one_per_call(daemon):
+    """An engine calls phase/discard/prefetch as requests finish. With the
+    daemon stopped for good, the first such call waits reconnect_timeout
+    for a restart and raises DaemonUnavailable; the later ones raise at
+    once (before, each waited the whole reconnect_timeout again: an engine
+    calling phase per finished request stalled 30 s per request). Hints
+    never raise meanwhile, and once the daemon is back the same handle
+    works again and the hints made while it was away arrive."""
+    import mmap as _mmap
+
+    from kvtier.client import DaemonUnavailable
+
+    c = daemon.client(reconnect_timeout=1.0)
+    buf = _mmap.mmap(-1, 4 << 20)
+    buf.write(b"\1" * len(buf))
+    r = c.register(buf, block_size=1 << 20)
+    hs = r.hint_set([0])
+    assert daemon.stop() == 0
+    t0 = time.monotonic()
+    with pytest.raises(DaemonUnavailable):
+        r.phase("free", [1])
+    assert 0.9 < time.monotonic() - t0 < 10
+    for call in (lambda: r.phase("free", [1]), lambda: r.prefetch([1]), lambda: r.discard([2]), c.status):
+        t0 = time.monotonic()
+        with pytest.raises(DaemonUnavailable):
+            call()
+        assert time.monotonic() - t0 < 0.5
+    r.hint([3])  # never raises, never waits
+    hs.touch()
+    daemon.start()
+    assert r.phase("free", [1]) == 1  # same handle: the daemon re-adopted the region
+    assert c.flush() == []
+    assert [x["block_hints"] for x in c.regions() if x["id"] == r.id] == [2]
+    c.close()
+
+
 def test_hints_never_block_on_a_stalled_daemon(daemon):
     """A daemon that stops reading (SIGSTOP here; a long GC or a starved CPU
     in real life) must not stall the engine's hint calls: what the socket
