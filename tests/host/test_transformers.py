@@ -155,3 +155,45 @@ def test_generate_with_kvtier_cache_while_blocks_go_to_swap_and_back(swapfile, w
     finally:
         assert d.stop() == 0
     assert "Traceback" not in d.read_log(), d.read_log()
+
+
+def test_cache_grows_crops_and_takes_a_new_batch_after_reset(workdir):
+    """What a DynamicCache allows, KvtierCache allows: a generate longer than
+    max_cache_len (the pool doubles, the tokens are copied, the old pool is
+    unregistered), assisted/prompt-lookup decoding (crop, which raised
+    AttributeError), and a reset cache reused for another batch size (which
+    failed with a tensor size mismatch deep in attention). The tokens are
+    transformers' own in each case."""
+    torch.set_num_threads(1)
+    model, _ = tiny_llama()
+    batch = torch.randint(0, 512, (2, PROMPT), generator=torch.Generator().manual_seed(2))
+    d = DaemonProc(workdir).start()
+    try:
+        with d.client() as c:
+            cache = KvtierCache(model.config, max_cache_len=PROMPT, client=c)
+            got = generate(model, batch, past_key_values=cache, attention_mask=torch.ones_like(batch))
+            assert got.tolist() == generate(model, batch, attention_mask=torch.ones_like(batch)).tolist()
+            assert cache.capacity_tokens >= PROMPT + NEW - 1
+            listed = list(c.regions())
+            assert [r["id"] for r in listed] == [cache.region.id]  # the outgrown pools are gone
+            c.flush()
+            assert next(iter(c.regions()))["block_hints"] > 0  # the new pool is hinted
+
+            cache.reset()  # the same cache, three sequences now
+            three = torch.randint(0, 512, (3, PROMPT), generator=torch.Generator().manual_seed(3))
+            got = generate(model, three, past_key_values=cache, attention_mask=torch.ones_like(three))
+            assert got.tolist() == generate(model, three, attention_mask=torch.ones_like(three)).tolist()
+            assert [r["id"] for r in c.regions()] == [cache.region.id]
+            cache.close()
+
+            # Prompt lookup proposes draft tokens from the prompt and crops the rejected ones.
+            repetitive = torch.arange(PROMPT).remainder(5).unsqueeze(0)
+            lookup = KvtierCache(model.config, max_cache_len=PROMPT + NEW, client=c)
+            got = generate(model, repetitive, past_key_values=lookup, prompt_lookup_num_tokens=3)
+            assert got.tolist() == generate(model, repetitive).tolist()
+            assert lookup.get_seq_length() == PROMPT + NEW - 1
+            lookup.close()
+            assert c.flush() == []
+    finally:
+        assert d.stop() == 0
+    assert "Traceback" not in d.read_log(), d.read_log()

@@ -31,6 +31,16 @@ What it does, and why each part matters to the daemon:
   blocks that are read every step; naming more keeps cold ones in DRAM.
 * ``release()`` / ``prefetch()``: a paused session's blocks may go down now;
   a returning session's come back to DRAM before its next step.
+* **Capacity**: ``max_cache_len`` tokens per layer at first. A step that
+  needs more (a longer generate, another turn of a chat on the same cache)
+  makes a pool of twice the capacity (or what the step needs), copies the
+  tokens over and unregisters the old pool, as a DynamicCache grows; size
+  ``max_cache_len`` for the whole session to never pay that copy. The batch
+  size, head count and dtype are fixed by the first step; after
+  ``reset()`` a step with another layout makes a new pool for it.
+* ``crop()`` (assisted and prompt-lookup decoding drop rejected draft
+  tokens) shortens every layer; the blocks past the new length stop being
+  hinted.
 
 Only full-attention decoder layers on the CPU are supported (the pool is host
 memory); sliding-window and linear-attention layers are refused at
@@ -64,7 +74,7 @@ class KvtierLayer(CacheLayerMixin):
 
     is_compileable = False  # returns a growing prefix: shapes change every step
     is_sliding = False
-    is_croppable = False
+    is_croppable = True  # crop() only moves the length back: the tokens before it are untouched
 
     def __init__(self, cache: "KvtierCache", layer_idx: int):
         super().__init__()
@@ -81,13 +91,13 @@ class KvtierLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
+        if not self.is_initialized or not self.length:
+            # The first step, or the first after reset() (which may bring another batch size).
             self.lazy_initialization(key_states, value_states)
         start = self.length
         end = start + key_states.shape[-2]
         if end > self.cache.capacity_tokens:
-            raise ValueError(f"KvtierCache holds {self.cache.capacity_tokens} tokens; this step needs {end} "
-                             "(make max_cache_len at least prompt + max_new_tokens)")
+            self.cache._grow(end)
         self.keys[:, :, start:end].copy_(key_states)
         self.values[:, :, start:end].copy_(value_states)
         self.length = end
@@ -102,6 +112,14 @@ class KvtierLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return self.cache.capacity_tokens
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens (a positive value: keep
+        that many, transformers' older form), as DynamicLayer.crop."""
+        if tokens_to_remove > 0:
+            self.length = min(self.length, tokens_to_remove)
+        else:
+            self.length = max(0, self.length + tokens_to_remove)
 
     def reset(self) -> None:
         if self.is_initialized and self.length:
@@ -119,8 +137,11 @@ class KvtierLayer(CacheLayerMixin):
 class KvtierCache(Cache):
     """A transformers ``Cache`` whose K/V tensors live in one kvtier pool.
 
+    ``max_cache_len``: tokens per layer of the first pool (a longer
+    sequence doubles it, copying the tokens once per doubling).
     ``client``: a connected ``kvtier.client.Client`` (default: a new one on
-    ``$KVTIER_SOCKET`` or the system socket, closed with the cache).
+    ``$KVTIER_SOCKET`` or the system socket, closed with the cache; with no
+    daemon there, DaemonUnavailable is raised here).
     ``tokens_per_block``: the block granularity the daemon tracks and moves
     (rounded up to whole pages). ``tier``, ``tenant``, ``priority``,
     ``pinned``, ``constraints``: passed to ``Client.allocate``.
@@ -163,12 +184,8 @@ class KvtierCache(Cache):
 
     # -- the pool --------------------------------------------------------
 
-    def _allocate(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        if key_states.device.type != "cpu":
-            raise ValueError(f"KvtierCache keeps K/V in host memory; this model runs on {key_states.device}")
-        batch, heads, _, k_dim = key_states.shape
-        v_dim = value_states.shape[-1]
-        dtype = key_states.dtype
+    def _allocate(self, shape: tuple[int, int, int, int, torch.dtype]) -> None:
+        batch, heads, k_dim, v_dim, dtype = shape
         itemsize = torch.empty((), dtype=dtype).element_size()
         token_bytes = batch * heads * (k_dim + v_dim) * itemsize
         n = tokens_per_block(token_bytes, self._wanted_tokens)
@@ -182,16 +199,55 @@ class KvtierCache(Cache):
         self._shape = (batch, heads, k_dim, v_dim, dtype)
         self._blocks = np.arange(layers * per_layer, dtype=np.uint32).reshape(layers, per_layer)
 
-    def _layer_views(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor):
-        if self._storage is None:
-            self._allocate(key_states, value_states)
-        batch, heads, _, k_dim = key_states.shape
-        shape = (batch, heads, k_dim, value_states.shape[-1], key_states.dtype)
-        if shape != self._shape:
-            raise ValueError(f"layer {layer} has K/V of (batch, heads, k_dim, v_dim, dtype) {shape}; "
-                             f"the pool was laid out for {self._shape} by layer 0")
+    def _retire_pool(self) -> None:
+        """Send what the layers' hint sets counted, close them and unregister
+        the pool (its memory stays valid while tensors use it)."""
+        for layer in self.layers:
+            if layer.reads is not None:
+                layer.reads.close()
+                layer.reads, layer.read_blocks = None, 0
+        if self.region is not None and not self.region.closed:
+            self.region.unregister()
+
+    def _grow(self, need: int) -> None:
+        """A step needs ``need`` tokens, more than the pool holds: a new pool
+        of twice the capacity (at least ``need``), every layer's tokens
+        copied into it and its views moved there; the old pool goes."""
+        old = self._storage
+        self.capacity_tokens = max(need, 2 * self.capacity_tokens)
+        old_region = self.region
+        self._allocate(self._shape)
+        for i, layer in enumerate(self.layers):
+            if layer.length:
+                self._storage[i, : layer.length].copy_(old[i, : layer.length])
+        new_region, self.region = self.region, old_region
+        self._retire_pool()
+        self.region = new_region
+        for i, layer in enumerate(self.layers):
+            if layer.is_initialized:
+                layer.keys, layer.values = self._views(i)
+
+    def _views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k_dim = self._shape[2]
         s = self._storage[layer]  # [position, batch, head, k_dim + v_dim]
         return s[..., :k_dim].permute(1, 2, 0, 3), s[..., k_dim:].permute(1, 2, 0, 3)
+
+    def _layer_views(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        if key_states.device.type != "cpu":
+            raise ValueError(f"KvtierCache keeps K/V in host memory; this model runs on {key_states.device}")
+        batch, heads, _, k_dim = key_states.shape
+        shape = (batch, heads, k_dim, value_states.shape[-1], key_states.dtype)
+        if self._storage is not None and shape != self._shape and not any(x.length for x in self.layers):
+            # reset() and a new layout (another batch size): a pool for it
+            self._retire_pool()
+            self.region = self._storage = self._shape = self._blocks = None
+        if self._storage is None:
+            self._allocate(shape)
+        if shape != self._shape:
+            raise ValueError(f"layer {layer} has K/V of (batch, heads, k_dim, v_dim, dtype) {shape}; "
+                             f"the pool was laid out for {self._shape} by layer 0 "
+                             "(reset() the cache to use it for another batch)")
+        return self._views(layer)
 
     def _read(self, layer: KvtierLayer, length: int) -> None:
         """Attention in ``layer`` reads positions 0..length: one read of each
