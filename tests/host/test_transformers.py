@@ -197,3 +197,33 @@ def test_cache_grows_crops_and_takes_a_new_batch_after_reset(workdir):
     finally:
         assert d.stop() == 0
     assert "Traceback" not in d.read_log(), d.read_log()
+
+
+def test_generate_and_close_survive_the_daemon_going_away(workdir):
+    """kvtier is advisory: a daemon stopped in the middle of generate costs
+    the model nothing (the hints queue), and closing the cache afterwards
+    neither raises nor waits more than the client's reconnect_timeout once
+    (before, close() raised DaemonUnavailable, out of a ``with`` block too,
+    and left its own client open)."""
+    import time
+
+    from kvtier.client import Client
+
+    torch.set_num_threads(1)
+    model, prompt = tiny_llama()
+    reference = generate(model, prompt)
+    d = DaemonProc(workdir).start()
+    try:
+        c = Client(d.sock, reconnect_timeout=0.5)
+        with KvtierCache(model.config, max_cache_len=PROMPT + NEW, client=c) as cache:
+            got = generate(model, prompt, past_key_values=cache, streamer=OnToken({20: d.stop}))
+            assert got.tolist() == reference.tolist()
+            t0 = time.monotonic()
+            cache.close()
+            assert time.monotonic() - t0 < 5
+            assert cache.region.closed
+        # leaving the block closed it again: nothing raised, nothing waited
+        c.close()
+    finally:
+        assert d.stop() == 0
+    assert "Traceback" not in d.read_log(), d.read_log()

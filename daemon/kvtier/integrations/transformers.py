@@ -56,7 +56,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
-from kvtier.client import Client, HintSet, Region
+from kvtier.client import Client, HintSet, KvtierClientError, Region
 
 PAGE = 4096
 DEFAULT_TOKENS_PER_BLOCK = 16
@@ -201,13 +201,19 @@ class KvtierCache(Cache):
 
     def _retire_pool(self) -> None:
         """Send what the layers' hint sets counted, close them and unregister
-        the pool (its memory stays valid while tensors use it)."""
+        the pool (its memory stays valid while tensors use it). A daemon
+        that is gone (or refuses) is not the model's failure: it drops the
+        region itself once the pool is unmapped or the process exits."""
         for layer in self.layers:
             if layer.reads is not None:
                 layer.reads.close()
                 layer.reads, layer.read_blocks = None, 0
         if self.region is not None and not self.region.closed:
-            self.region.unregister()
+            try:
+                self.region.unregister()
+            except KvtierClientError:
+                self.region.closed = True
+                self.client._regions.pop(self.region.id, None)
 
     def _grow(self, need: int) -> None:
         """A step needs ``need`` tokens, more than the pool holds: a new pool
@@ -289,9 +295,10 @@ class KvtierCache(Cache):
     # -- lifetime ---------------------------------------------------------
 
     def close(self) -> None:
-        """Unregister the pool (its memory stays valid while tensors use it)."""
-        if self.region is not None and not self.region.closed:
-            self.region.unregister()
+        """Unregister the pool (its memory stays valid while tensors use it);
+        never raises for a daemon that went away (after the client's
+        ``reconnect_timeout`` for one that may be restarting)."""
+        self._retire_pool()
         if self._own_client:
             self.client.close()
 
