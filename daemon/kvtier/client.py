@@ -357,9 +357,26 @@ class Region:
             return
         self._hint_any(blocks, counts)
 
+    def _block_ids(self, blocks: Any) -> np.ndarray:
+        """``blocks`` as int64 indices, ValueError unless each is an integer
+        in 0..nblocks-1 of this (still registered) region."""
+        if self.closed:
+            raise ValueError(f"region {self.id} is unregistered")
+        a = np.asarray(blocks)
+        if a.size and a.dtype.kind not in "iu":
+            raise ValueError(f"block indices must be integers, got {a.dtype} for region {self.id}")
+        arr = a.astype(np.int64, copy=False).ravel()
+        if arr.size and (arr.min() < 0 or arr.max() >= self.nblocks):
+            raise ValueError(f"block index out of range 0..{self.nblocks - 1} for region {self.id}")
+        return arr
+
     def _hint_any(self, blocks: Any, counts: Any) -> None:
-        """``hint`` for ids of any type and for counts."""
-        b = np.asarray(blocks, dtype=_BLOCKS_DTYPE).ravel()
+        """``hint`` for ids of any type and for counts (checked: a wrong id
+        is an error here, not a count in the daemon's answer later)."""
+        if type(blocks) is np.ndarray and blocks.dtype is _BLOCKS_DTYPE and not self.closed:
+            b = blocks.ravel()  # uint32: an index past the region is the daemon's to count
+        else:
+            b = self._block_ids(blocks).astype(_BLOCKS_DTYPE)
         k = b.size
         if not k:
             return
@@ -478,9 +495,7 @@ class Region:
         ``drop`` the pages stay and the daemon will find them and treat them
         as data (it cannot free another process's memory). Returns the
         blocks the daemon changed."""
-        arr = np.asarray(blocks, dtype=np.int64).ravel()
-        if arr.size and (arr.min() < 0 or arr.max() >= self.nblocks):
-            raise ValueError(f"block index out of range 0..{self.nblocks - 1} for region {self.id}")
+        arr = self._block_ids(blocks)
         if drop and self.placement.get("pinned"):
             # A pinned pool (cudaHostRegister, RDMA) must keep its pages: a
             # device keeps reading the frames the pin holds, whatever the
@@ -557,6 +572,7 @@ class Region:
         self._close_hint_sets()
         self.client.call(protocol.Unregister(region=self.id))
         self.closed = True
+        self._cparts = []  # hint()'s fast path tests this: it now takes the path that says "unregistered"
         self._keepalive = None
         self.client._regions.pop(self.id, None)
 

@@ -432,6 +432,34 @@ def test_hint_batches_copy_at_once_and_mix_counts(daemon, timeout):
     c.close()
 
 
+def test_bad_block_ids_and_hints_after_unregister_are_errors_at_the_call(daemon):
+    """A negative id raised numpy's OverflowError, an int64 -1 wrapped to
+    4294967295 and was only counted as bad_block in a later answer, a float
+    id was truncated, and hint() after unregister() was queued silently:
+    each is now a ValueError naming the region at the call, nothing queued."""
+    import mmap as _mmap
+
+    import numpy as np
+
+    c = daemon.client(hint_interval=3600, hint_ring=False)
+    buf = _mmap.mmap(-1, 8 * 4096)
+    r = c.register(buf, block_size=4096)
+    for bad in ([-1], np.array([-1]), [8], np.array([0, 8], dtype=np.int64), [1.5], np.array([True])):
+        with pytest.raises(ValueError, match=f"region {r.id}"):
+            r.hint(bad)
+        with pytest.raises(ValueError, match=f"region {r.id}"):
+            r.discard(bad, drop=False)
+    r.hint([0, 7])
+    r.hint([])
+    assert c.flush() == []
+    assert c.stats()["block_hints_total"] == 2
+    r.unregister()
+    for blocks in ([1], np.array([1], dtype=np.uint32)):
+        with pytest.raises(ValueError, match="unregistered"):
+            r.hint(blocks)
+    c.close()
+
+
 def test_hint_batches_leave_on_time_with_few_clock_reads(daemon, monkeypatch):
     """The client reads the clock every few hint calls, not every call (a
     clock read is a system call in some VMs): at a steady rate a batch still
