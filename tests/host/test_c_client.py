@@ -133,9 +133,15 @@ def test_c_client_against_kvtierd(client_binary, kvtierd):
         delta = {k: after[k] - before[k] for k in ("block_hints_total", "regions_registered_total",
                                                   "regions_unregistered_total", "engine_moves_sent_total",
                                                   "engine_moves_dropped_total")}
-        # its KV region and its engine-mode region
-        assert delta == {"block_hints_total": hinted, "regions_registered_total": 2,
-                         "regions_unregistered_total": 2, "engine_moves_sent_total": 1,
+        # its KV region and its engine-mode region; the client skips the
+        # engine region where the daemon's swap tier has no room for it (the
+        # host's swap is shared: another user may have filled it)
+        engine = "(no swap tier)" not in out
+        if not engine:  # then the daemon says so to Python too, not only to the C client
+            length = NBLOCKS * 4 * os.sysconf("SC_PAGE_SIZE")
+            assert not [t for t in py.request("tiers")["tiers"] if t["kind"] == "swap" and t["free"] > length]
+        assert delta == {"block_hints_total": hinted, "regions_registered_total": 1 + engine,
+                         "regions_unregistered_total": 1 + engine, "engine_moves_sent_total": int(engine),
                          "engine_moves_dropped_total": 0}
         errors = {k: after["errors"].get(k, 0) - before["errors"].get(k, 0) for k in after["errors"]}
         assert errors["register:overlap"] == 1
