@@ -249,3 +249,22 @@ def test_prefetch_wait_returns_once_the_queued_blocks_are_in_dram(kvtierd):
         assert ans["queued"] == 2 and ans["queued"] + ans["already"] < 3, ans
         assert (region.query()[:2] == 0).all()
         assert (resident_blocks(child.pid, child.addr, 2) == BLOCK // PAGE).all()  # the kernel agrees
+
+
+def test_locked_pages_are_counted_once_as_locked(kvtierd):
+    """Fails without the fix: the pages of an mlock'ed range, left out of
+    the MADV_PAGEOUT call and counted LOCKED, were counted NOT_PAGED_OUT
+    too: `4 block(s) failed: 2048 LOCKED, 2048 NOT_PAGED_OUT` for 2048
+    pages, and kvtier_migration_failed_pages_total twice the truth."""
+    with KVChild(POOL, "--memfd") as child, Client(kvtierd.socket, name="test_pageout") as kv:
+        assert child.ask(f"mlock 0 {4 * BLOCK}") == "ok"
+        region = kv.register(addr=child.addr, length=POOL, block_size=BLOCK, name="pool", pid=child.pid)
+        measured(region)
+        r = ctl(kvtierd, "migrate", str(region.id), "swap", "--wait", "--json")
+        assert r.returncode == 4, r.stdout + r.stderr
+        rep = json.loads(r.stdout)
+        assert (rep["moved"], rep["failed"]) == (12, 4), rep
+        assert rep["failed_pages"] == {"LOCKED": 4 * BLOCK // PAGE}, rep
+        assert metric(kvtierd.url, "kvtier_migration_failed_pages_total", reason="NOT_PAGED_OUT") in (None, 0)
+        assert list(region.query()) == [0] * 4 + [1] * 12
+

@@ -578,8 +578,11 @@ class Migrator:
         present = (pm & PM_PRESENT) != 0
         # A present page after MADV_PAGEOUT was skipped: shared with another
         # process, pinned, or there is no swap space.
+        # Locked pages were left out of the call: counted as LOCKED, not
+        # twice over as NOT_PAGED_OUT too.
         stuck = np.zeros(len(pm), dtype=bool)
         stuck[self._stuck_pages(pid, layout, pm)] = True
+        stuck &= ~locked
         # Shared memory in swap has no swap PTE: its object counts it.
         shm = shmem.shared_pages(pid, layout, present | swapped, self.proc_root, self.page_size)
         errors = {"NOT_PAGED_OUT": int(stuck.sum())} if stuck.any() else {}
