@@ -268,3 +268,45 @@ def test_locked_pages_are_counted_once_as_locked(kvtierd):
         assert metric(kvtierd.url, "kvtier_migration_failed_pages_total", reason="NOT_PAGED_OUT") in (None, 0)
         assert list(region.query()) == [0] * 4 + [1] * 12
 
+
+
+def test_shared_pool_paged_out_into_a_full_swap_is_not_counted_moved(tmp_path, swapfile):
+    """A memfd pool larger than the swap. MADV_PAGEOUT unmaps every page,
+    but the pages that find no swap slot stay in the page cache. Fails
+    without the fix: `N of N block(s) moved`, exit 0, while smaps had only
+    the swap's worth in swap (and the rest read "unknown" afterwards)."""
+    with open("/proc/meminfo") as f:
+        kib = {line.split(":")[0]: int(line.split()[1]) for line in f}
+    total = kib["SwapTotal"] * 1024  # not SwapFree: slots just freed come back late
+    if total > 4 << 30:
+        pytest.skip(f"{total >> 20} MiB of swap: too much to fill in a test")
+    size = (total // BLOCK + 16) * BLOCK  # 16 blocks more than the swap takes
+    n = size // BLOCK
+    with acting(tmp_path, f"""\
+            tick_interval = 0.1
+            residency_interval = 0.5
+            [policy]
+            capacity = {{ "0" = {4 * size} }}
+            """, DEADLINE) as kvtierd, \
+            KVChild(size, "--memfd") as child, Client(kvtierd.socket, name="test_pageout") as kv:
+        before = child.checksum()
+        region = kv.register(addr=child.addr, length=size, block_size=BLOCK, name="pool", pid=child.pid)
+        measured(region, n)
+        r = ctl(kvtierd, "migrate", str(region.id), "swap", "--wait", "--json", timeout=300)
+        assert r.returncode == 4, r.stdout + r.stderr
+        rep = json.loads(r.stdout)
+        swap_kib = child.smaps_kib()["Swap"]
+        assert rep["moved"], json.dumps(rep) + kvtierd.log.read_text()[-4000:]  # nothing moved it before
+        # what the daemon says moved is what the kernel has in swap
+        assert rep["pages_moved"] * PAGE // 1024 == swap_kib, (rep, swap_kib)
+        assert rep["moved"] <= swap_kib * 1024 // BLOCK and rep["failed"] >= 16, json.dumps(rep)
+        # every page either moved or is named, none twice
+        assert rep["failed_pages"] == {"NOT_PAGED_OUT": size // PAGE - rep["pages_moved"]}, rep
+        q = region.query()
+        assert (q == 1).sum() * BLOCK < swap_kib * 1024 + BLOCK, q  # a block goes where most of it is
+        # and all of it comes back (what never left stays in the page
+        # cache, in DRAM, until the process reads it)
+        r = ctl(kvtierd, "migrate", str(region.id), "dram", "--wait", timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert child.smaps_kib()["Swap"] == 0
+        assert child.checksum() == before

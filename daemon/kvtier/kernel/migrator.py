@@ -585,10 +585,15 @@ class Migrator:
         stuck &= ~locked
         # Shared memory in swap has no swap PTE: its object counts it.
         shm = shmem.shared_pages(pid, layout, present | swapped, self.proc_root, self.page_size)
-        errors = {"NOT_PAGED_OUT": int(stuck.sum())} if stuck.any() else {}
+        # Shared memory that MADV_PAGEOUT unmapped but could not write to
+        # swap (no free swap slot) stays in the page cache: in memory, not
+        # paged out, though no longer present here.
+        left = shm.cached
+        n_stuck = int(stuck.sum() + left.sum())
+        errors = {"NOT_PAGED_OUT": n_stuck} if n_stuck else {}
         if locked.any():
             errors["LOCKED"] = int(locked.sum())
-        block_ok = layout.per_block(stuck | locked) == 0
+        block_ok = (layout.per_block(stuck | locked) == 0) & (left == 0)
         # Skipped pages are not proof of pinning: a page being read at that
         # moment, or still under writeback, is skipped too and pages out on a
         # later try. So a failed pageout is a retryable failure (the policy backs
