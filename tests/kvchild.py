@@ -1,9 +1,11 @@
 """A stand-in inference process for tests: maps a KV pool and obeys commands.
 
-Run as ``python tests/kvchild.py SIZE [--shared] [--memfd] [--shm-file] [--thp]
-[--sparse]``. It maps SIZE bytes of anonymous memory (``--shared``:
-MAP_SHARED, i.e. shmem; ``--memfd``: a memfd mapped shared; ``--shm-file``:
-a /dev/shm file), fills it with a deterministic pseudo-random pattern,
+Run as ``python tests/kvchild.py SIZE [--shared] [--memfd] [--shm-file]
+[--shm-path=PATH] [--thp] [--sparse]``. It maps SIZE bytes of anonymous
+memory (``--shared``: MAP_SHARED, i.e. shmem; ``--memfd``: a memfd mapped
+shared; ``--shm-file``: a /dev/shm file; ``--shm-path=PATH``: the named
+/dev/shm file PATH, kept, so that other processes map the same pool; only
+its first process fills it), fills it with a deterministic pseudo-random pattern,
 prints ``ready <address> <size>`` and then reads commands from stdin, one per
 line, answering one line each:
 
@@ -43,7 +45,14 @@ def main() -> None:
     shared = "--shared" in sys.argv
     thp = "--thp" in sys.argv
     sparse = "--sparse" in sys.argv  # leave the pool untouched (never faulted in)
-    if "--memfd" in sys.argv or "--shm-file" in sys.argv:
+    named = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--shm-path=")), None)
+    if named:  # a named /dev/shm file other processes open too (kept; the first fills it)
+        fd = os.open(named, os.O_RDWR | os.O_CREAT, 0o600)
+        sparse = sparse or os.fstat(fd).st_size == size
+        os.ftruncate(fd, size)
+        buf = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        os.close(fd)
+    elif "--memfd" in sys.argv or "--shm-file" in sys.argv:
         if "--memfd" in sys.argv:
             fd = os.memfd_create("kvchild")
         else:  # a POSIX shm file, unlinked at once (mapped as /dev/shm/NAME (deleted))

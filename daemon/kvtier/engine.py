@@ -272,6 +272,7 @@ class MeasureJob:
     window_tier: np.ndarray | None = None  # sampled blocks: dominant tier of the window, -1 none
     window_whole: np.ndarray | None = None  # sampled blocks: every page of the window in that tier
     efault: np.ndarray | None = None  # some page answered EFAULT: maybe no longer mapped
+    first: np.ndarray | None = None  # sampled blocks of a region's first look (_first_look_rows)
     pages: int = 0
     seconds: float = 0.0
 
@@ -1583,7 +1584,10 @@ class Engine:
             try:
                 if self._is_swap(int(dst)):
                     res = m.pageout(int(pid), starts, lengths)
-                elif src >= 0 and self._is_swap(int(src)):
+                elif src < 0 or self._is_swap(int(src)):
+                    # From swap, or from where no measurement placed it: shared
+                    # memory another process faulted in, or in swap, has no
+                    # page here for move_pages to see; pagein brings it too.
                     res = m.pagein(int(pid), starts, lengths, self._node_for(int(dst), int(pid)))
                 else:
                     res = m.move(int(pid), starts, lengths, self._node_for(int(dst), int(pid)))
@@ -1953,6 +1957,7 @@ class Engine:
             addr=t.addr[rows].copy(), nbytes=t.nbytes[rows].copy(), full=full, lut=topo.node_tier_lut(),
             ntiers=len(topo.tiers), swap_index=None if swap is None else swap.index, started=now,
             sample_pages=S, page_size=ps, seed=int(self._rng.integers(1 << 63)),
+            first=np.isin(rows, look_rows) if look_rows.size else None,
         )
 
     def _sample_yield(self, looked: int, found: int) -> None:
@@ -2130,6 +2135,14 @@ class Engine:
             # move; the rotating sample's next windows still catch a block
             # that is not all where its window was.
             new = off & (t.tier[r] < 0)
+            # A first look whose window found no page here: never written, or
+            # shared memory this process has not mapped (in swap, or faulted
+            # in by another process: the pool of a second engine process),
+            # which only the whole block's measurement sees. Measured in
+            # full once, so such a block does not read "never touched".
+            if job.first is not None:
+                unseen = job.first[ws] & (wt < 0) & (t.tier[r] < 0)
+                flags[r[unseen]] |= np.uint8(F_STALE)
             # what the sample is for: a block whose placement the table knew,
             # found elsewhere (a block seen for the first time is news, not drift)
             self._sample_yield(int(ws.size), int(np.count_nonzero(off & (t.tier[r] >= 0) & (t.tier[r] != wt))))

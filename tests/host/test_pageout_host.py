@@ -310,3 +310,38 @@ def test_shared_pool_paged_out_into_a_full_swap_is_not_counted_moved(tmp_path, s
         assert r.returncode == 0, r.stdout + r.stderr
         assert child.smaps_kib()["Swap"] == 0
         assert child.checksum() == before
+
+
+def test_second_process_of_a_shared_pool_sees_it_in_swap_and_brings_it_back(kvtierd, tmp_path):
+    """Two processes map one /dev/shm pool and each registers its mapping
+    (as engines that share a KV pool between processes do); the first pages
+    it out; the second, which has not touched its mapping, registers then.
+    Fails without the fix: the second region's blocks read "never touched"
+    (tier -1, flag 5) for good, though every byte was in swap, and a
+    `migrate` of them to DRAM answered "16 of 16 block(s) moved, 0 page(s)",
+    counted them in DRAM, and left the pool in swap."""
+    path = f"/dev/shm/kvtier-test-{os.getpid()}"
+    try:
+        with KVChild(POOL, f"--shm-path={path}") as a, Client(kvtierd.socket, name="test_pageout") as kv:
+            before = a.checksum()
+            ra = kv.register(addr=a.addr, length=POOL, block_size=BLOCK, name="a", pid=a.pid)
+            measured(ra)
+            r = ctl(kvtierd, "migrate", str(ra.id), "swap", "--wait")
+            assert r.returncode == 0, r.stdout + r.stderr
+            assert a.smaps_kib() == {"Rss": 0, "Swap": POOL // 1024}
+            with KVChild(POOL, f"--shm-path={path}", "--sparse") as b:
+                rb = kv.register(addr=b.addr, length=POOL, block_size=BLOCK, name="b", pid=b.pid)
+                wait_for(lambda: (rb.query() == 1).all(), "the second mapping's blocks to read swap")
+                b_ = json.loads(ctl(kvtierd, "--json", "blocks", str(rb.id)).stdout)
+                assert b_["tiers"] == [1] * 16 and not any(f & 32 for f in b_["flags"]), b_  # not F_NOT_PRESENT
+                r = ctl(kvtierd, "migrate", str(rb.id), "dram", "--wait", "--json")
+                assert r.returncode == 0, r.stdout + r.stderr
+                rep = json.loads(r.stdout)
+                assert (rep["moved"], rep["pages_moved"]) == (16, POOL // PAGE), rep
+                assert b.smaps_kib() == {"Rss": POOL // 1024, "Swap": 0}
+                assert (rb.query() == 0).all()
+                assert b.checksum() == before
+            assert a.checksum() == before  # the other mapping reads it all, bit for bit
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
