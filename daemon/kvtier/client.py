@@ -515,12 +515,13 @@ class Region:
         blocks there as ``already`` + ``queued``), with ``seconds`` waited:
         ``skipped`` blocks never move and ``deferred`` ones (no room in DRAM
         now, docs/protocol.md) go up with a later plan, so neither is waited
-        for."""
+        for. A daemon that runs dry (``dry_run`` in the answer) moves
+        nothing: that answer comes back at once, not waited on."""
         self.flush()
         packed = None if blocks is None else protocol.pack_blocks(np.asarray(blocks).ravel())
         t0 = time.monotonic()
         r = self.client.call(protocol.Prefetch(region=self.id, blocks=packed))
-        if wait and r["queued"]:
+        if wait and r["queued"] and not r.get("dry_run"):
             sel = _prefetch_selection(blocks)
             while np.count_nonzero(self.query()[sel] == 0) < r["already"] + r["queued"]:
                 if time.monotonic() - t0 > timeout:

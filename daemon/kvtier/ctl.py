@@ -249,6 +249,8 @@ def cmd_migrate(c: Client, a) -> tuple[Any, str]:
         text = migrate_report(r, a.region, a.tier)
     else:
         text = f"queued {r['queued']} block(s) of region {a.region} for tier {a.tier}"
+        if r.get("dry_run"):
+            text += " (dry run: planned and counted, nothing will move)"
         if r.get("unmapped"):
             text += (f"; {r['unmapped']} block(s) not mapped (freed by their process), not queued: "
                      + _block_ranges(r["unmapped_blocks"]))

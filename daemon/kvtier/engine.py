@@ -1027,6 +1027,8 @@ class Engine:
         out = {"queued": int(go.sum()), "already": int(there.sum()), "skipped": int((~movable).sum())}
         if kind == "prefetch":
             out["deferred"] = deferred
+        if self.migrator.dry_run:
+            out["dry_run"] = True  # queued to be planned and counted: none of them will move
         return out
 
     def kick(self) -> None:

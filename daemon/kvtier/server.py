@@ -1305,6 +1305,8 @@ class _MigrateSteps:
             fut = asyncio.get_running_loop().create_future()
             self.ticket.future.add_done_callback(lambda f: fut.set_result({**f.result(), **extra}))
             return AfterWrite(fut, None)
+        if api.engine.migrator.dry_run:
+            extra["dry_run"] = True  # queued to be planned and counted: none of them will move
         return {"queued": self.queued, **extra}
 
 

@@ -35,7 +35,7 @@ import pytest
 import waiting
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvchild import KVChild
+from kvchild import KVChild, page_out
 from kvtierd import acting
 from kvtier.client import Client, KvtierClientError
 from kvtier.kernel.procfs import PM_PRESENT, PM_SWAP, Pagemap
@@ -345,3 +345,32 @@ def test_second_process_of_a_shared_pool_sees_it_in_swap_and_brings_it_back(kvti
     finally:
         if os.path.exists(path):
             os.unlink(path)
+
+
+def test_a_dry_run_answers_prefetch_and_migrate_as_a_dry_run(tmp_path, swapfile):
+    """A daemon run with --dry-run over a pool in swap: a prefetch queues
+    blocks that will never move. Fails without the fix: the answer was
+    {"queued": 16, ...} like a real one, so Region.prefetch(wait=True) waited
+    for them to its timeout and raised TimeoutError (every prefetch of an
+    engine under a trial daemon stalled), and `kvtierctl migrate` printed
+    "queued 16 block(s)" without a word of the dry run."""
+    with acting(tmp_path, """\
+            tick_interval = 0.1
+            residency_interval = 0.5
+            """, DEADLINE, "--dry-run") as d, KVChild(POOL) as child, \
+            Client(d.socket, name="test_dry") as kv:
+        page_out(child)
+        region = kv.register(addr=child.addr, length=POOL, block_size=BLOCK, name="pool", pid=child.pid)
+        wait_for(lambda: (region.query() == 1).all(), "the pool measured in swap")
+        t0 = time.monotonic()
+        ans = region.prefetch(wait=True, timeout=20)
+        assert time.monotonic() - t0 < 10 and ans["queued"] == 16 and ans["dry_run"] is True, ans
+        assert region.release()["dry_run"] is True
+        r = ctl(d, "migrate", str(region.id), "dram")
+        assert r.returncode == 0 and "dry run" in r.stdout and "nothing will move" in r.stdout, r.stdout + r.stderr
+        assert json.loads(ctl(d, "--json", "migrate", str(region.id), "dram").stdout)["dry_run"] is True
+        wait_for(lambda: metric(d.url, "kvtier_dry_run_planned_blocks_total", src="swap", dst="dram") >= 16,
+                 "the prefetch counted as planned")
+        assert child.smaps_kib() == {"Rss": 0, "Swap": POOL // 1024}  # nothing moved
+        assert (region.query() == 1).all()
+        assert metric(d.url, "kvtier_migrated_blocks_total", src="swap", dst="dram") in (None, 0)
