@@ -525,6 +525,7 @@ class Engine:
         # and hot rows seen in a lower tier waiting for the next loop turn
         # (each with the registry generation its rows belong to).
         self._first_look: list[int] = []
+        self._swap_lost = 0  # the topology's swap_lost already acted on (_after_swapoff)
         self._retarget_queued = False  # a registration's _retarget_now is due
         self._soon_rows: list[np.ndarray] = []
         self._soon_gen = -1
@@ -1327,6 +1328,7 @@ class Engine:
             self.topology.refresh_free()
         except (KvtierError, OSError) as e:
             log.warning("topology refresh failed: %s", e)
+        self._after_swapoff()
         if len(self.table) == 0 or not self.topology.tiers:
             for m in (ManualMove(*e) for e in self.manual):
                 self._settle(m.ticket, m.regions.size, "gone")
@@ -2169,6 +2171,22 @@ class Engine:
             self.loop.call_soon(self.measure_soon)  # an operator's full re-measurement: its next job now
         elif self._soon_rows or self._first_look:
             self._queue_measure()
+
+    def _after_swapoff(self) -> None:
+        """A swap device went away (swapoff): the kernel read its pages back
+        into memory, private ones into their process's page tables (the
+        sample sees them), shared memory only into its object's page cache,
+        which no sampled window sees. Every block measured in swap is
+        measured again in full, or it would read swap for good."""
+        lost = getattr(self.topology, "swap_lost", 0)
+        if lost == self._swap_lost:
+            return
+        self._swap_lost = lost
+        swap = self.topology.swap_tier
+        if swap is not None and len(self.table):
+            t = self.table
+            t.flags[t.tier == swap.index] |= np.uint8(F_STALE)
+            self._dirty = True
 
     def _pageout_returns(self, rows: np.ndarray, measured: np.ndarray, swap: int, at: float) -> None:
         """Blocks the table has in swap since a pageout less than

@@ -374,3 +374,40 @@ def test_a_dry_run_answers_prefetch_and_migrate_as_a_dry_run(tmp_path, swapfile)
         assert child.smaps_kib() == {"Rss": 0, "Swap": POOL // 1024}  # nothing moved
         assert (region.query() == 1).all()
         assert metric(d.url, "kvtier_migrated_blocks_total", src="swap", dst="dram") in (None, 0)
+
+
+def test_shared_pool_in_swap_is_measured_again_after_swapoff(tmp_path, swapfile):
+    """swapoff reads a memfd pool's swapped pages back into its page cache,
+    not into its owner's page tables, where the sampled measurement looks.
+    Fails without the fix: the blocks read swap for good, kvtier_tier_bytes
+    counted 32 MiB in swap with none there, and `migrate swap` answered
+    "16 block(s) already there". A private pool beside it comes back as
+    before (swapoff maps its pages again)."""
+    path = tmp_path / "hi-prio.swap"
+    subprocess.run(["fallocate", "-l", "128M", str(path)], check=True)
+    os.chmod(path, 0o600)
+    subprocess.run(["mkswap", str(path)], check=True, capture_output=True)
+    subprocess.run(["swapon", "-p", "32767", str(path)], check=True)  # used first
+    on = True
+    try:
+        with roomy(tmp_path) as d, KVChild(POOL, "--memfd") as shm, KVChild(POOL) as priv, \
+                Client(d.socket, name="test_swapoff") as kv:
+            sums = shm.checksum(), priv.checksum()
+            regions = [kv.register(addr=c.addr, length=POOL, block_size=BLOCK, name=n, pid=c.pid)
+                       for c, n in ((shm, "shm"), (priv, "priv"))]
+            for r in regions:
+                measured(r)
+                assert ctl(d, "migrate", str(r.id), "swap", "--wait").returncode == 0
+            assert shm.smaps_kib() == {"Rss": 0, "Swap": POOL // 1024}
+            subprocess.run(["swapoff", str(path)], check=True)
+            on = False
+            assert shm.smaps_kib() == {"Rss": 0, "Swap": 0}  # in the page cache, unmapped
+            wait_for(lambda: metric(d.url, "kvtier_tier_bytes", tier="swap") == 0, "no bytes counted in swap")
+            assert not (regions[0].query() == 1).any() and (regions[1].query() == 0).all()
+            r = ctl(d, "--json", "migrate", str(regions[0].id), "dram", "--wait")
+            assert r.returncode == 0 and json.loads(r.stdout)["moved"] == 16, r.stdout + r.stderr
+            assert shm.smaps_kib() == {"Rss": POOL // 1024, "Swap": 0}
+            assert (shm.checksum(), priv.checksum()) == sums
+    finally:
+        if on:
+            subprocess.run(["swapoff", str(path)], check=False)

@@ -162,6 +162,7 @@ class Topology:
     warnings: list[str] = field(default_factory=list)
     unassigned_nodes: tuple[int, ...] = ()
     signature: tuple[str | None, ...] = ()  # node lists at discovery (see changed_on_disk)
+    swap_lost: int = 0  # swap devices seen swapped off since discovery (refresh_free)
 
     def changed_on_disk(self) -> bool:
         """Did a node come or go, or gain or lose all of its memory, since
@@ -209,6 +210,10 @@ class Topology:
             current = {s.path: s for s in read_swaps(self.proc_root)}
             for dev in self.swap_devices:
                 now = current.get(dev.path)
+                if now is None and dev.size:
+                    # swapoff brought its pages back into memory: what was
+                    # measured in swap must be measured again
+                    self.swap_lost += 1
                 # A device swapped off since discovery holds nothing usable.
                 dev.size, dev.used = (now.size, now.used) if now else (0, 0)
         for t in self.tiers:
