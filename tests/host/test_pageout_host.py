@@ -305,10 +305,13 @@ def test_shared_pool_paged_out_into_a_full_swap_is_not_counted_moved(tmp_path, s
         q = region.query()
         assert (q == 1).sum() * BLOCK < swap_kib * 1024 + BLOCK, q  # a block goes where most of it is
         # and all of it comes back (what never left stays in the page
-        # cache, in DRAM, until the process reads it)
+        # cache, in DRAM, until the process reads it; a block goes where
+        # most of it is, so a retry that found a few slots freed meanwhile
+        # may leave a few pages of a block in DRAM in swap)
         r = ctl(kvtierd, "migrate", str(region.id), "dram", "--wait", timeout=300)
         assert r.returncode == 0, r.stdout + r.stderr
-        assert child.smaps_kib()["Swap"] == 0
+        assert not (region.query() == 1).any()
+        assert child.smaps_kib()["Swap"] * 1024 < 16 * BLOCK // 2
         assert child.checksum() == before
 
 
