@@ -177,6 +177,23 @@ def mapped_blocks(pid: int, starts: np.ndarray, lengths: np.ndarray, proc_root: 
     return out
 
 
+def shared_blocks(pid: int, starts: np.ndarray, lengths: np.ndarray, proc_root: str = "/proc") -> np.ndarray:
+    """Per block, whether it starts in a shared mapping (MAP_SHARED
+    anonymous, memfd, /dev/shm): memory another process may have paged in
+    or out, which this process's page tables need not show. One walk over
+    the mappings the blocks span."""
+    starts = np.asarray(starts, dtype=np.uint64)
+    out = np.zeros(starts.size, dtype=bool)
+    if starts.size == 0:
+        return out
+    lo = int(starts.min())
+    hi = int((starts + np.broadcast_to(np.asarray(lengths, dtype=np.uint64), starts.shape)).max())
+    for m in mappings(pid, lo, hi - lo, proc_root):
+        if m.shared:
+            out |= (starts >= np.uint64(m.start)) & (starts < np.uint64(m.end))
+    return out
+
+
 class ProcProcesses:
     """The registry's ``ProcessChecker`` over a /proc tree: start time from
     /proc/PID/stat, ranges checked with PROCMAP_QUERY (maps as fallback)."""
@@ -195,6 +212,9 @@ class ProcProcesses:
 
     def mapped_blocks(self, pid: int, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         return mapped_blocks(pid, starts, lengths, self.proc_root)
+
+    def shared_blocks(self, pid: int, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        return shared_blocks(pid, starts, lengths, self.proc_root)
 
     def uids(self, pid: int) -> tuple[int, int]:
         return procfs.read_uids(pid, self.proc_root)
