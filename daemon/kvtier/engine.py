@@ -2142,12 +2142,13 @@ class Engine:
             # A first look whose window found no page here: never written, or
             # shared memory this process has not mapped (in swap, or faulted
             # in by another process: the pool of a second engine process),
-            # which only the whole block's measurement sees. Blocks in shared
-            # mappings are measured in full once, so such a block does not
-            # read "never touched"; private ones are not written yet.
+            # or a private page in swap, which only the whole block's
+            # measurement sees: such blocks (_may_hide_pages) are measured in
+            # full once, so they do not read "never touched"; the rest are
+            # not written yet.
             if job.first is not None:
                 unseen = r[job.first[ws] & (wt < 0) & (t.tier[r] < 0)]
-                flags[self._in_shared_memory(unseen)] |= np.uint8(F_STALE)
+                flags[self._may_hide_pages(unseen)] |= np.uint8(F_STALE)
             # what the sample is for: a block whose placement the table knew,
             # found elsewhere (a block seen for the first time is news, not drift)
             self._sample_yield(int(ws.size), int(np.count_nonzero(off & (t.tier[r] >= 0) & (t.tier[r] != wt))))
@@ -2173,15 +2174,18 @@ class Engine:
         elif self._soon_rows or self._first_look:
             self._queue_measure()
 
-    def _in_shared_memory(self, rows: np.ndarray) -> np.ndarray:
-        """The rows whose block lies in shared memory. A private block a
-        window found nothing of is simply not written yet: measuring it in
-        full would find nothing either (a 1 TiB sparse region: 268 M pages,
-        an hour of the residency budget for nothing)."""
+    def _may_hide_pages(self, rows: np.ndarray) -> np.ndarray:
+        """Of rows whose first window found no page, those the window may
+        have missed: all of a process with pages in swap (a swapped page has
+        no node for move_pages), and blocks in shared mappings (pages
+        another process faulted in or paged out). The others are not
+        written yet: measuring them in full would find nothing either (a
+        1 TiB sparse region: 268 M pages, an hour of the residency budget)."""
         if rows.size == 0:
             return rows
-        check = getattr(self.registry.processes, "shared_blocks", None)
-        if check is None:
+        procs = self.registry.processes
+        shared, swapped = getattr(procs, "shared_blocks", None), getattr(procs, "swapped_bytes", None)
+        if shared is None or swapped is None:
             return rows[:0]
         t = self.table
         keep = np.zeros(rows.size, dtype=bool)
@@ -2189,9 +2193,10 @@ class Engine:
         for pid in np.unique(pids).tolist():
             mine = pids == pid
             try:
-                keep[mine] = check(int(pid), t.addr[rows[mine]], t.nbytes[rows[mine]])
+                keep[mine] = True if swapped(int(pid)) > 0 else shared(int(pid), t.addr[rows[mine]],
+                                                                         t.nbytes[rows[mine]])
             except (KvtierError, OSError) as e:
-                log.debug("shared mappings of pid %d: %s", pid, e)
+                log.debug("mappings of pid %d: %s", pid, e)
         return rows[keep]
 
     def _after_swapoff(self) -> None:

@@ -56,7 +56,9 @@ def test_async_client_registers_allocates_hints_and_queries(daemon):
             with pytest.raises(KvtierClientError) as e:
                 await kv.request("query", region=999)
             assert e.value.code == "not_found"
-            r.hint([99])  # out of range: the error comes back with the next flush, not raised
+            with pytest.raises(ValueError, match="out of range"):
+                r.hint([99])  # a list is checked at the call
+            r.hint(np.array([99], dtype=np.uint32))  # the uint32 fast path: the daemon's error, at the next flush
             errs = await kv.flush()
             assert len(errs) == 1 and errs[0].code == "invalid_argument"
             await r.unregister()

@@ -207,6 +207,13 @@ def read_creds(pid: int, proc_root: str = "/proc") -> tuple[tuple[int, ...], tup
     return tuple(map(int, uid.split())), tuple(map(int, gid.split())), (st.st_uid, st.st_gid)
 
 
+def read_swapped_bytes(pid: int, proc_root: str = "/proc") -> int:
+    """Bytes of the process's private memory in swap (VmSwap of
+    /proc/PID/status; 0 for a kernel thread or a process gone)."""
+    v = _status_field(pid, "VmSwap", proc_root)
+    return int(v.split()[0]) * 1024 if v else 0
+
+
 def read_cpus_allowed(pid: int, proc_root: str = "/proc") -> list[int]:
     """CPUs the process may run on (Cpus_allowed_list of /proc/PID/status:
     its affinity mask, cpusets included)."""

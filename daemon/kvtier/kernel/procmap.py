@@ -216,5 +216,8 @@ class ProcProcesses:
     def shared_blocks(self, pid: int, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         return shared_blocks(pid, starts, lengths, self.proc_root)
 
+    def swapped_bytes(self, pid: int) -> int:
+        return procfs.read_swapped_bytes(pid, self.proc_root)
+
     def uids(self, pid: int) -> tuple[int, int]:
         return procfs.read_uids(pid, self.proc_root)
