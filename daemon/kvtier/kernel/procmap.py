@@ -109,9 +109,10 @@ def check_range(pid: int, start: int, length: int, proc_root: str = "/proc", *, 
     procfs.check_range(mappings(pid, start, length, proc_root), start, length, kv_only=kv_only)
 
 
-def _spans(pid: int, runs: list[tuple[int, int]], proc_root: str) -> np.ndarray:
-    """(start, end) of every mapping overlapping the address runs, sorted,
-    adjacent ones merged: (n, 2) uint64."""
+def _spans(pid: int, runs: list[tuple[int, int]], proc_root: str, shared_only: bool = False) -> np.ndarray:
+    """(start, end) of every mapping overlapping the address runs (only the
+    shared ones with ``shared_only``), sorted, adjacent ones merged: (n, 2)
+    uint64."""
     path = os.path.join(proc_root, str(pid), procfs.PROC_MAPS)
     out: list[tuple[int, int]] = []
     try:
@@ -124,13 +125,14 @@ def _spans(pid: int, runs: list[tuple[int, int]], proc_root: str) -> np.ndarray:
                     m = _vma(fd, pos, name, COVERING_OR_NEXT_VMA)
                     if m is None or m.start >= hi:
                         break
-                    out.append((m.start, m.end))
+                    if m.shared or not shared_only:
+                        out.append((m.start, m.end))
                     pos = m.end
         finally:
             os.close(fd)
     except _Unsupported:
         out = [(m.start, m.end) for m in procfs.read_maps(pid, proc_root)
-               if any(m.start < hi and m.end > lo for lo, hi in runs)]
+               if (m.shared or not shared_only) and any(m.start < hi and m.end > lo for lo, hi in runs)]
     if not out:
         return np.zeros((0, 2), dtype=np.uint64)
     spans = np.array(sorted(out), dtype=np.uint64)
@@ -181,16 +183,22 @@ def shared_blocks(pid: int, starts: np.ndarray, lengths: np.ndarray, proc_root: 
     """Per block, whether it starts in a shared mapping (MAP_SHARED
     anonymous, memfd, /dev/shm): memory another process may have paged in
     or out, which this process's page tables need not show. One walk over
-    the mappings the blocks span."""
+    the mappings the blocks span, gaps between them skipped."""
     starts = np.asarray(starts, dtype=np.uint64)
-    out = np.zeros(starts.size, dtype=bool)
     if starts.size == 0:
-        return out
-    lo = int(starts.min())
-    hi = int((starts + np.broadcast_to(np.asarray(lengths, dtype=np.uint64), starts.shape)).max())
-    for m in mappings(pid, lo, hi - lo, proc_root):
-        if m.shared:
-            out |= (starts >= np.uint64(m.start)) & (starts < np.uint64(m.end))
+        return np.zeros(0, dtype=bool)
+    ends = starts + np.broadcast_to(np.asarray(lengths, dtype=np.uint64), starts.shape)
+    order = np.argsort(starts, kind="stable")
+    s, e = starts[order], ends[order]
+    brk = np.flatnonzero(s[1:] != e[:-1]) + 1
+    firsts = np.concatenate(([0], brk))
+    runs = list(zip(s[firsts].tolist(), np.maximum.reduceat(e, firsts).tolist()))
+    spans = _spans(pid, runs, proc_root, shared_only=True)
+    out = np.zeros(starts.size, dtype=bool)
+    if spans.shape[0]:
+        k = np.searchsorted(spans[:, 0], s, side="right") - 1
+        kk = np.maximum(k, 0)
+        out[order] = (k >= 0) & (s >= spans[kk, 0]) & (s < spans[kk, 1])
     return out
 
 
