@@ -75,6 +75,11 @@ FIELDS: dict[str, np.dtype] = {
     "stuck": np.dtype(np.uint8),
     "priority": np.dtype(np.int8),
     "tenant": np.dtype(np.int16),
+    # 1 from registration until a measurement finds no page of the block: a
+    # page seen there first was written before the daemon looked (an engine's
+    # pool, resident when registered), not allocated since; such bytes are
+    # not counted in the policy's allocation rate (``inflow_offset``)
+    "prior": np.dtype(np.uint8),
 }
 
 _DEFAULTS = {
@@ -84,6 +89,7 @@ _DEFAULTS = {
     "last_move": -np.inf,
     "retry_at": -np.inf,
     "check_at": np.inf,
+    "prior": 1,
 }
 
 
@@ -137,6 +143,22 @@ class Staged:
         return self.done == self.count
 
 
+def inflow_offset(tier: np.ndarray, prior: np.ndarray, nbytes: np.ndarray, dropped: float,
+                  known: np.ndarray | None = None) -> float:
+    """What the policy adds to the bytes in the measured tiers to count
+    allocations (``policy.plan``'s ``dropped``): the bytes discarded
+    (``BlockTable.dropped_bytes``), less the placed bytes of blocks whose
+    pages were there before the daemon ever looked (``prior``). Registering
+    a resident pool is not an allocation burst: counted as one (the first
+    look and the rotating sample find up to 4,096 blocks a second at the
+    defaults, 8 GiB/s of 2 MiB blocks) it made the policy demote the idle
+    pool to make room for allocations that never came."""
+    if known is None:
+        known = np.flatnonzero(tier >= 0)
+    was = known[prior[known] != 0]
+    return dropped - float(nbytes[was].sum()) if was.size else dropped
+
+
 class BlockTable:
     """Growable struct-of-arrays; region ``r`` lives in ``self.slices[r]``."""
 
@@ -164,6 +186,11 @@ class BlockTable:
         # them to the measured total, so its allocation rate counts every new
         # block and not the growth net of the discarded ones.
         self.dropped_bytes = 0.0
+
+    def inflow_offset(self, known: np.ndarray | None = None) -> float:
+        """``inflow_offset`` of the live table (``known``: the rows with a
+        known tier, if the caller has them)."""
+        return inflow_offset(self.tier, self.prior, self.nbytes, self.dropped_bytes, known)
 
     def __len__(self) -> int:
         return self.n

@@ -50,7 +50,8 @@ import numpy.ma  # noqa: F401
 from kvtier import logs
 from kvtier import policy as pol
 from kvtier.blocks import (FIELDS, F_ENGINE, F_KEEP_DRAM, F_MANUAL_PIN, F_NEVER_SWAP, F_NOT_PRESENT, F_STALE,
-                           F_UNMOVABLE, STUCK_PINNED, TIER_UNKNOWN, BlockTable, Slice, row_count, row_select)
+                           F_UNMOVABLE, STUCK_PINNED, TIER_UNKNOWN, BlockTable, Slice, inflow_offset, row_count,
+                           row_select)
 from kvtier.deferred import relay
 from kvtier.engine_moves import EngineMoves
 from kvtier.errors import InvalidArgument, KvtierError, RangeNotMapped
@@ -797,6 +798,7 @@ class Engine:
             gone = row_select(rows, ~mask)
             t.tier[gone] = TIER_UNKNOWN
             t.flags[gone] = (t.flags[gone] | np.uint8(F_NOT_PRESENT)) & np.uint8(~F_STALE & 0xFF)
+            t.prior[gone] = 0  # mapped again later: new pages
         return mask
 
     def mapping_seen(self, region_id: int, unmapped: int) -> bool:
@@ -863,8 +865,9 @@ class Engine:
 
     def explain(self, row: int) -> str:
         snap = self.table.snapshot()
+        offset = inflow_offset(snap["tier"], snap["prior"], snap["nbytes"], self.table.dropped_bytes)
         return self._explained(snap, row, pol.explain(snap, row, self.tier_states(), self.policy_cfg, self.pstate,
-                                                      self.clock(), self.table.dropped_bytes))
+                                                      self.clock(), offset))
 
     def read_soon(self, read: Callable[[], Any]) -> "asyncio.Future":
         """``read()`` on the explain thread, for an answer that reads the
@@ -905,6 +908,7 @@ class Engine:
                     reg.get(region_id)  # raises not_found with the reason
                 row = s.start + block
                 snap, dropped = self.table.snapshot(), self.table.dropped_bytes
+                dropped = inflow_offset(snap["tier"], snap["prior"], snap["nbytes"], dropped)
                 if reg.generation == gen:
                     return snap, row, pol.explain(snap, row, tiers, cfg, state, now, dropped)
             raise KvtierError(f"the block table changed {EXPLAIN_TRIES} times while it was copied: try again")
@@ -1446,14 +1450,13 @@ class Engine:
         # The policy is pure and runs right here, so it may read the live
         # arrays; what the mover reads later is copied.
         known = np.flatnonzero(t.tier >= 0)
+        offset = t.inflow_offset(known)
         if known.size == len(t):
             live = {name: getattr(t, name) for name in FIELDS}
-            plan, self.pstate = pol.plan(live, self.tier_states(), self.policy_cfg, self.pstate, now,
-                                         t.dropped_bytes)
+            plan, self.pstate = pol.plan(live, self.tier_states(), self.policy_cfg, self.pstate, now, offset)
         else:
             live = {name: getattr(t, name)[known] for name in FIELDS}
-            plan, self.pstate = pol.plan(live, self.tier_states(), self.policy_cfg, self.pstate, now,
-                                         t.dropped_bytes)
+            plan, self.pstate = pol.plan(live, self.tier_states(), self.policy_cfg, self.pstate, now, offset)
             if len(plan):
                 plan = replace(plan, rows=known[plan.rows])
         rows = plan.rows.astype(np.int64)
@@ -2118,6 +2121,7 @@ class Engine:
             if job.swap_index is not None:
                 self._pageout_returns(r, measured, job.swap_index, job.started)
             t.tier[r] = measured
+            t.prior[r[measured < 0]] = 0  # no page now: one found later was allocated since
             flags[r[pres]] &= np.uint8(~F_NOT_PRESENT & 0xFF)
             flags[r[~pres]] |= np.uint8(F_NOT_PRESENT)
             flags[r] &= np.uint8(~F_STALE & 0xFF)
@@ -2153,6 +2157,9 @@ class Engine:
             # found elsewhere (a block seen for the first time is news, not drift)
             self._sample_yield(int(ws.size), int(np.count_nonzero(off & (t.tier[r] >= 0) & (t.tier[r] != wt))))
             flags[r[off & ~(new & job.window_whole[ws])]] |= np.uint8(F_STALE)
+            # a block of unknown tier whose window found no page: its pages
+            # found later count as allocated since (not a resident pool's)
+            t.prior[r[(wt < 0) & (t.tier[r] < 0)]] = 0
             if new.any():
                 t.tier[r[new]] = wt[new]
                 flags[r[new]] &= np.uint8(~F_NOT_PRESENT & 0xFF)

@@ -455,7 +455,12 @@ def apply_phase(table: BlockTable, rows: np.ndarray | slice, phase: str) -> None
         flags[rows] &= np.uint8(~F_PREFILL_DONE & 0xFF)
         # An engine-mode block's placement is its engine's word, not pages.
         paged = row_select(rows, (flags[rows] & np.uint8(F_ENGINE)) == 0)
-        table.dropped_bytes += float(table.nbytes[np.unique(paged[table.tier[paged] >= 0])].sum())
+        # bytes counted in the allocation rate leave it (a block resident
+        # since before registration was never counted); its next pages are
+        # an allocation either way
+        gone = np.unique(paged[(table.tier[paged] >= 0) & (table.prior[paged] == 0)])
+        table.dropped_bytes += float(table.nbytes[gone].sum())
+        table.prior[paged] = 0
         flags[paged] |= np.uint8(F_NOT_PRESENT | F_STALE)
         table.tier[paged] = TIER_UNKNOWN
         table.temp[rows] = 0.0

@@ -909,9 +909,10 @@ def plan(
 ) -> tuple[Plan, PolicyState]:
     """Decide this tick's moves. Pure: ``snap`` and ``state`` are not modified.
 
-    ``dropped``: ``BlockTable.dropped_bytes``, the bytes discarded out of the
-    measured tiers so far. Counted with what is measured, the allocation
-    rate is the new blocks' rate: net of discards it was 0 at a steady state
+    ``dropped``: ``BlockTable.inflow_offset()``, the bytes discarded out of
+    the measured tiers so far, less the bytes found resident at
+    registration (no allocation). Counted with what is measured, the
+    allocation rate is the new blocks' rate: net of discards it was 0 at a steady state
     where new blocks fill DRAM as fast as blocks demoted earlier are
     discarded from CXL (the demo guest: about 70 % of the new blocks' rate)."""
     tiers = sorted(tiers, key=lambda t: t.index)

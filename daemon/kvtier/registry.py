@@ -438,6 +438,7 @@ class Registry:
         flags = t.region_view(region_id, "flags")
         flags[tiers >= 0] &= np.uint8(~F_NOT_PRESENT & 0xFF)
         flags[tiers < 0] |= np.uint8(F_NOT_PRESENT)
+        t.region_view(region_id, "prior")[tiers < 0] = 0  # placed later: allocated since
 
     def _free_id(self) -> int:
         """The next unused id from next_id on, wrapping from MAX_REGION_ID

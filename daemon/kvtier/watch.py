@@ -35,7 +35,7 @@ log = logging.getLogger("kvtier.watch")
 
 # Per-block state carried over when an adopted mapping changes length.
 # check_at with temp: its bound on when the run can end still holds (hotness.Temperature._arm)
-KEPT_FIELDS = ("temp", "last_access", "check_at", "tier", "flags", "last_move", "retry_at", "fail_count", "stuck")
+KEPT_FIELDS = ("temp", "last_access", "check_at", "tier", "flags", "last_move", "retry_at", "fail_count", "stuck", "prior")
 
 
 @dataclass(frozen=True)

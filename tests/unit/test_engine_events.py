@@ -12,7 +12,7 @@ import pytest
 
 from kvtier import policy as pol
 
-from test_engine import BLOCK, DRAM, PPB, SWAP, SWAP_TIER, Rig, cfg
+from test_engine import BASE, BLOCK, DRAM, PID, PPB, SWAP, SWAP_TIER, Rig, cfg
 
 
 @pytest.fixture
@@ -177,3 +177,30 @@ def test_blocks_on_their_way_are_not_queued_again_by_each_hint(wired):
     assert r.stats.hot_promotions_total == 3
     r.kernel.hold["pagein"].set()
     turns(r, lambda: sorted(np.flatnonzero(np.array(r.tiers()) == DRAM).tolist()) == [1, 2, 9])
+
+
+def test_a_pool_resident_when_registered_is_no_allocation_burst(wired):
+    """An engine registers its pool once it has written it: the blocks the
+    first look and the rotating sample find are not new allocations. Fails
+    without ``BlockTable.inflow_offset``: the pool found read as a burst
+    of allocations (inflow_bps 5.8 MB/s here; the rotating sample finds up
+    to 4,096 blocks a second at the defaults) and the policy emptied DRAM of its idle
+    blocks for them (a host test's memfd pool, DRAM four times its size,
+    paged out to swap two seconds after registration). Pages that appear
+    where a measurement found none are allocations, and count."""
+    r = wired(12, capacity={DRAM: 36 * BLOCK})  # the fake process has 36 blocks of pages
+    big = r.registry.add(PID, BASE + 12 * BLOCK, 16 * BLOCK, BLOCK, name="pool").id  # resident: loc 0
+    r.tick(6, dt=0.1)
+    assert (r.table.tier[r.rows(big)] == DRAM).all() and (r.table.tier[r.rows()] == DRAM).all()
+    assert r.engine.pstate.inflow_bps == 0.0 and r.engine.pstate.backlog_peak == 0.0
+    assert not [c for c in r.kernel.calls if c[0] == "pageout"]
+    # a region registered before it is written: what appears later was allocated
+    r.kernel.loc[28 * PPB : 36 * PPB] = -1  # ABSENT: never touched
+    lazy = r.registry.add(PID, BASE + 28 * BLOCK, 8 * BLOCK, BLOCK, name="lazy").id
+    r.tick(3, dt=0.1)
+    assert (r.table.tier[r.rows(lazy)] < 0).all()
+    r.kernel.loc[28 * PPB : 36 * PPB] = DRAM  # the engine writes it
+    r.engine.request_measure(np.arange(r.rows(lazy).start, r.rows(lazy).stop))
+    r.tick(2, dt=0.1)
+    assert (r.table.tier[r.rows(lazy)] >= 0).all()
+    assert r.engine.pstate.inflow_bps > 0.0  # (and a burst: the idle blocks make room for more)

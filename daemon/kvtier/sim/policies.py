@@ -293,6 +293,7 @@ class Kvtier(SimPolicy):
         self.table = BlockTable(eng.n)
         self.table.add_region(0, 0, 0, eng.n * eng.block_bytes, eng.block_bytes)
         self.table.flags[:] = F_NOT_PRESENT
+        self.table.prior[:] = 0  # every block of a trace is allocated while it runs
         self.temp = Temperature(self.tau_s, self.end_of_run)
         self.state = PolicyState()
         self.tiers = [t.state(i) for i, t in enumerate(eng.cfg.tiers)]
