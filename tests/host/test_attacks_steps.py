@@ -324,10 +324,31 @@ def test_whole_region_migrate_and_measure_of_1mi_blocks_answer_others_between_ba
         steps = watcher.between(2, full0, full0 + BIG, t0, time.monotonic())
         assert len(steps) >= 4, f"the other client saw the blocks measured at {sorted(steps)} only"
         print(f"measured-block counts seen while measuring: {len(steps)}")
-        with d.client() as c:
-            (reg,) = [r for r in c.regions() if r["id"] == info["region"]]
-        assert reg["blocks_by_tier"].get(str(tiers["dram"])) == TOUCHED, reg["blocks_by_tier"]
-        assert str(tiers["swap"]) not in reg["blocks_by_tier"], reg["blocks_by_tier"]
+        # (the count includes the blocks the ticks measured meanwhile, whose
+        # faults the perf_fault source saw: the last of measure's jobs may
+        # still be running when it is reached)
+        def placed() -> dict:
+            with d.client() as c:
+                (reg,) = [r for r in c.regions() if r["id"] == info["region"]]
+            return reg["blocks_by_tier"]
+
+        # What the table says is what the kernel has: every touched block
+        # in DRAM, but for any the kernel's reclaim took back to swap (pages
+        # just read back from swap are the cheapest to reclaim, and a busy
+        # host's other tests make it reclaim).
+        def agree() -> tuple[dict, int] | None:
+            before = _swapped(attacker.pid, info["addr"], BIG // STRIDE)
+            seen = placed()
+            if _swapped(attacker.pid, info["addr"], BIG // STRIDE) != before:
+                return None
+            want = {str(tiers["dram"]): TOUCHED - before, str(tiers["swap"]): before}
+            return (seen, before) if all(seen.get(k, 0) == v for k, v in want.items()) else None
+
+        end = time.monotonic() + 30
+        while (got := agree()) is None and time.monotonic() < end:
+            time.sleep(0.5)
+        assert got is not None, (placed(), _swapped(attacker.pid, info["addr"], BIG // STRIDE), d.read_log()[-3000:])
+        assert got[0].get("-1") == BIG - TOUCHED, got
 
         # 4. `explain` runs the policy over a copy of the whole table (0.4 s
         #    of the loop at 1 Mi blocks before): on its own thread now, the
