@@ -404,7 +404,11 @@ def test_shared_pool_in_swap_is_measured_again_after_swapoff(tmp_path, swapfile)
             assert shm.smaps_kib() == {"Rss": 0, "Swap": POOL // 1024}
             subprocess.run(["swapoff", str(path)], check=True)
             on = False
-            assert shm.smaps_kib() == {"Rss": 0, "Swap": 0}  # in the page cache, unmapped
+            # in the page cache, unmapped; but for a few pages a CPU put in
+            # the other swap file (the kernel's per-CPU swap cluster cache
+            # may outlive the priority order: 24 KiB seen on 6.18)
+            left = shm.smaps_kib()
+            assert left["Rss"] == 0 and left["Swap"] * 1024 < BLOCK // 2, left
             wait_for(lambda: metric(d.url, "kvtier_tier_bytes", tier="swap") == 0, "no bytes counted in swap")
             assert not (regions[0].query() == 1).any() and (regions[1].query() == 0).all()
             r = ctl(d, "--json", "migrate", str(regions[0].id), "dram", "--wait")
