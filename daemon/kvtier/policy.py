@@ -54,8 +54,8 @@ blocks it looked at and left alone, the rule that decided (``Plan.stay``,
 4. ``_step_ended`` (DRAM, last in the plan): when allocations have come
    faster than the migrator could make room for them as they came
    (``PolicyState.backlog_peak``, a queue of the inflow drained at
-   ``demote_mbps`` or the mean inflow), DRAM keeps that much room free,
-   made from blocks whose run of reads is over, least likely to be reused
+   ``demote_mbps`` or the mean inflow), DRAM keeps that much room free (at
+   most ``BACKLOG_ROOM_MAX`` of it), made from blocks whose run of reads is over, least likely to be reused
    first, below the low watermark if need be; promotions do not fill that
    room. A new block that
    finds DRAM full is read from CXL by every decode step of its request
@@ -269,6 +269,18 @@ _PROMOTE_FACTOR = 1.0
 # How long the policy remembers a backlog of allocations (PolicyState.backlog_peak).
 # (kvtier-sim: 60 s to 1200 s within 0.4 point on every slice tried.)
 BACKLOG_TAU_S = 300.0
+# At most this share of DRAM is kept free for a backlog of allocations
+# (PolicyState.backlog_room). The room is a bet that the next burst's new
+# blocks, each read by every decode step of its request, are worth more
+# than what could sit there until then; when the backlog is DRAM's size
+# or more, the bet is all of DRAM, held empty or emptied, against blocks
+# of the running requests that are just as hot. kvtier-sim, Mooncake
+# synthetic with 16-token blocks of 2 MiB (llama-3-8b, 1,000 requests,
+# DRAM 21 GiB at 25 %): backlog peaks of 9-31 GiB kept promotions out and
+# DRAM 7-16 GiB full, 0.6770 against LRU's 0.7579; capped at a tenth,
+# 0.7585. The 15-cell grid did not move in the 4th digit (its backlogs
+# are 2-14 % of DRAM); 0.25 recovered only part (0.7401).
+BACKLOG_ROOM_MAX = 0.1
 # How far ahead _step_cold looks for DRAM filling up at the sustained excess
 # of allocations over the migrator (_dram_fills): the time over which a
 # serving load's mean rate is taken to hold (traffic moves over hours).
@@ -385,6 +397,11 @@ class PolicyState:
         if peak < MIB:  # forgotten
             peak = 0.0
         return inflow, var, backlog, peak
+
+    def backlog_room(self, target: float) -> float:
+        """Room DRAM (``target`` bytes) keeps free for the backlog of
+        allocations: its recent peak, at most BACKLOG_ROOM_MAX of DRAM."""
+        return min(self.backlog_peak, BACKLOG_ROOM_MAX * target)
 
     def headroom(self, cfg: "PolicyConfig") -> float:
         """Bytes of room the fastest tier needs for the next ``burst_s`` of
@@ -599,7 +616,8 @@ def promote_limit(tier: TierState, cfg: PolicyConfig, state: PolicyState) -> flo
     The plan and the engine's promotions between ticks both stop here."""
     limit = fill_bytes(tier, cfg, state)
     if tier.index == 0:
-        limit = min(limit, cfg.target_bytes(tier) - state.backlog_peak)
+        target = cfg.target_bytes(tier)
+        limit = min(limit, target - state.backlog_room(target))
     return limit
 
 
@@ -822,14 +840,14 @@ def _step_promote(x: _Tick, t: int, floor: float) -> None:
 def _step_ended(x: _Tick) -> None:
     """3d. Room for the allocations to come, from finished blocks: when new
     blocks have come faster than the migrator can make room for them
-    (``PolicyState.backlog_peak``), DRAM keeps that much free, made by
+    (``PolicyState.backlog_room``), DRAM keeps that much free, made by
     demoting blocks whose run of reads is over (temperature 0), least likely
     to be reused first, even below the low watermark. Each such demotion,
     made while the migrator has time, is a new block that lands in DRAM in
     the next burst instead of on CXL, where every decode step of its request
     would read it. Last in the plan: it only takes time nothing else wants."""
     b = x.b
-    goal = x.target[0] - x.state.backlog_peak
+    goal = x.target[0] - x.state.backlog_room(x.target[0])
     if goal >= b.used[0]:
         return
     cand = np.flatnonzero(x.demotable(0) & (x.eff <= 0.0))
@@ -849,7 +867,7 @@ def _step_cold(x: _Tick, t: int) -> None:
         return
     cand = np.flatnonzero(x.demotable(t) & (x.eff < cfg.demote_temp))
     low = x.low[t]
-    if t == 0 and _dram_fills(x.state, cfg, x.target[0] - b.used[0]):
+    if t == 0 and _dram_fills(x.state, cfg, x.target[0] - b.used[0], x.target[0]):
         low = 0.0  # every cold block, last in the plan: migrator time nothing else wants
     if cand.size == 0 or b.used[t] <= low:
         x.mark(cand, S_WATERMARK)
@@ -859,7 +877,7 @@ def _step_cold(x: _Tick, t: int) -> None:
     x.mark(cand, S_WATERMARK)  # the rest: the tier is at its low watermark now (or tokens ran out)
 
 
-def _dram_fills(state: PolicyState, cfg: PolicyConfig, free: float) -> bool:
+def _dram_fills(state: PolicyState, cfg: PolicyConfig, free: float, target: float) -> bool:
     """Whether DRAM, ``free`` bytes short of its target, fills with new
     blocks faster than the migrator can make room: then every cold block
     goes early (``_step_cold``), in the migrator's spare time, each one out a
@@ -873,7 +891,8 @@ def _dram_fills(state: PolicyState, cfg: PolicyConfig, free: float) -> bool:
 
     - a burst: allocations now faster than the migrator (``demote_mbps``)
       while the free room is less than what the recent bursts needed beyond
-      it (``backlog_peak``) and the next ``burst_s`` of them (``headroom``).
+      it (``backlog_room``: ``backlog_peak``, at most BACKLOG_ROOM_MAX of
+      DRAM) and the next ``burst_s`` of them (``headroom``).
       With more room than that the burst fits in it. (Fired on every burst
       above the migrator, the rule emptied DRAM of cached prefixes that
       later turns took back where DRAM had room for dozens of such bursts:
@@ -893,7 +912,7 @@ def _dram_fills(state: PolicyState, cfg: PolicyConfig, free: float) -> bool:
       first minutes) fills nothing within an hour.
     """
     rate = cfg.demote_mbps * MIB
-    if state.inflow_bps > rate and free < state.backlog_peak + state.headroom(cfg):
+    if state.inflow_bps > rate and free < state.backlog_room(target) + state.headroom(cfg):
         return True
     excess = state.sustained_inflow - rate
     return excess > 0 and excess * FILL_HORIZON_S >= free

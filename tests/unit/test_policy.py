@@ -23,6 +23,7 @@ from kvtier.blocks import (
 from kvtier.errors import ConfigError
 from kvtier.hotness import Temperature, apply_phase
 from kvtier.policy import (
+    BACKLOG_ROOM_MAX,
     MIB,
     R_COLD,
     R_EVICT,
@@ -769,26 +770,35 @@ def test_a_backlog_is_the_burst_above_the_mean_when_allocations_outrun_the_migra
 
 
 def test_a_backlog_of_allocations_is_made_room_for_from_finished_blocks_only():
-    # DRAM of 10 at 9: 5 finished blocks (temperature 0, one of them a prefix
-    # with many runs) and 4 read ones. A backlog of 6 blocks asks for DRAM at
-    # 4: the finished ones go, least likely to be reused first, below the low
-    # watermark (0.8); the read ones stay.
-    t = make_table(9)
-    t.temp[:5] = 0.0
-    t.temp[5:] = 1.0  # warm, but below demote_temp: the cold step stops at the low watermark
-    t.fresh[:5] = 1.0
+    # DRAM of 100 at 99: 20 finished blocks (temperature 0, one of them a
+    # prefix with many runs) and 79 read ones. A backlog of 6 blocks asks
+    # for DRAM at 94: finished ones go, least likely to be reused first,
+    # below the low watermark (0.98); the read ones stay.
+    t = make_table(99)
+    t.temp[:20] = 0.0
+    t.temp[20:] = 1.0  # warm, but below demote_temp: the cold step stops at the low watermark
+    t.fresh[:20] = 1.0
     t.last_access[:] = 90.0
-    t.runs[:5] = [1, 1, 9, 1, 1]
-    c = cfg(high_wm=1.0, low_wm=0.8, demote_temp=2.0, promote_temp=3.0)
-    st = PolicyState(promote_tokens=1e12, demote_tokens=1e12, last_now=99.0, last_total=9 * BS, backlog_peak=6 * BS)
-    p, _ = plan(t.snapshot(), tiers(10), c, st, 100.0)
-    # 9 - 5 = 4 blocks meets the goal: all five finished ones, the prefix last
-    assert sorted(p.rows.tolist()) == [0, 1, 2, 3, 4] and np.all(p.dst == 1)
-    assert int(p.rows[-1]) == 2
-    # no backlog: down to the low watermark (8 blocks) only, one block
-    st0 = PolicyState(promote_tokens=1e12, demote_tokens=1e12, last_now=99.0, last_total=9 * BS)
-    p0, _ = plan(t.snapshot(), tiers(10), c, st0, 100.0)
-    assert len(p0) == 1 and int(p0.rows[0]) in {0, 1, 3, 4}
+    t.runs[:20] = 1
+    t.runs[2] = 9
+    c = cfg(high_wm=1.0, low_wm=0.98, demote_temp=2.0, promote_temp=3.0)
+
+    def demoted(backlog_blocks):
+        st = PolicyState(promote_tokens=1e12, demote_tokens=1e12, last_now=99.0, last_total=99 * BS,
+                         backlog_peak=backlog_blocks * BS)
+        p, _ = plan(t.snapshot(), tiers(100), c, st, 100.0)
+        assert np.all(p.dst == 1) and np.all(p.rows < 20), p.rows  # finished blocks only
+        return p.rows.tolist()
+
+    rows = demoted(6)
+    assert len(rows) == 5 and 2 not in rows  # 99 - 5 = 94 meets the goal; the prefix stays
+    # A backlog of DRAM's size would empty it of all 20 (and keep promotions
+    # out): the room is at most BACKLOG_ROOM_MAX of DRAM, 10 blocks here.
+    assert BACKLOG_ROOM_MAX == 0.1
+    rows = demoted(60)
+    assert len(rows) == 9 and 2 not in rows
+    # no backlog: down to the low watermark (98 blocks) only, one block
+    assert len(demoted(0)) == 1
 
 
 def test_the_headroom_margin_above_the_mean_only_while_allocations_outrun_the_migrator():
@@ -825,7 +835,10 @@ def test_all_cold_blocks_go_early_only_where_dram_would_fill_while_the_migrator_
 
     assert cold_moves(12, 8.0, 3.0) == [0, 1, 2]  # a burst of 8/s above the migrator, 3 blocks free
     assert cold_moves(1000, 8.0, 3.0) == []  # the same burst, 991 free: it fits
-    assert cold_moves(1000, 8.0, 3.0, backlog_blocks=990.0) == [0, 1, 2]  # bursts needed 990 + 8
+    assert cold_moves(18, 8.0, 3.0) == []  # 9 free hold the next second's 8
+    assert cold_moves(18, 8.0, 3.0, backlog_blocks=2.0) == [0, 1, 2]  # bursts needed 1.8 (a tenth of DRAM) + 8
+    # a backlog of DRAM's size counts a tenth of it (BACKLOG_ROOM_MAX): 100 + 8 fit in 991
+    assert cold_moves(1000, 8.0, 3.0, backlog_blocks=990.0) == []
     assert cold_moves(1000, 1.0, 8.0) == [0, 1, 2]  # a lull: (8 - 4) x 3600 s > 991 blocks free
     assert cold_moves(1000, 1.0, 3.0) == []  # a lull on a calm mean
     assert cold_moves(100000, 1.0, 8.0) == []  # 99,991 free: more than the horizon's excess
