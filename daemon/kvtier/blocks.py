@@ -71,6 +71,11 @@ FIELDS: dict[str, np.dtype] = {
     "retry_at": np.dtype(np.float64),
     "fail_count": np.dtype(np.uint16),
     "returns": np.dtype(np.uint8),  # pageouts in a row its reader undid at once (engine: pageout returns)
+    # the direction of its last failed move: 1 toward a slower tier, -1
+    # toward a faster one, 0 none or not known; a backoff bars that
+    # direction only (policy._Tick), so a demotion the kernel refused
+    # does not keep the block out of DRAM once it is read
+    "fail_dir": np.dtype(np.int8),
     "flags": np.dtype(np.uint8),
     "stuck": np.dtype(np.uint8),
     "priority": np.dtype(np.int8),
@@ -272,6 +277,7 @@ class BlockTable:
         a["fail_count"][sl] = 0
         a["stuck"][sl] = STUCK_NONE
         a["returns"][sl] = 0
+        a["fail_dir"][sl] = 0
         st.done += k
         return st.complete
 

@@ -674,6 +674,15 @@ class _Tick:
             # engine pins (declared) or marked without a reason never is.
             why = snap["stuck"]
             unmovable &= backoff | (why == STUCK_NONE) | (why == STUCK_DECLARED)
+        # A failed demotion backs off demotions only (``fail_dir``): the
+        # kernel that would not page a block out (pages in use, or not yet
+        # on an LRU list just after a move) says nothing about moving it
+        # up. Barred from every move, blocks of the next hot set whose
+        # pageout a TCG guest skipped waited out 30 s of backoff on CXL
+        # (tests/vm/test_tiering_e2e_vm.py: 13 of 16 in DRAM after 54 ticks).
+        down = snap["fail_dir"] > 0 if "fail_dir" in snap else np.zeros_like(backoff)
+        self.no_demote = backoff & ~unmovable & down
+        backoff &= ~self.no_demote
         self.actionable = self.known & ~unmovable & ~absent & ~backoff
         self.pinned = (flags & F_MANUAL_PIN) != 0
         recent = now - snap["last_move"] < cfg.min_residence_s
@@ -698,7 +707,7 @@ class _Tick:
         stay[recent] = S_RESIDENCE
         stay[self.starting & ~recent] = S_STARTING
         stay[self.pinned] = S_PIN
-        stay[backoff] = S_BACKOFF
+        stay[backoff | self.no_demote] = S_BACKOFF
         stay[absent] = S_NOT_PRESENT
         stay[unmovable] = S_UNMOVABLE
         # a block measured never touched is not "unmeasured" for lack of a tier
@@ -706,7 +715,7 @@ class _Tick:
         self.stay = stay
 
     def demotable(self, t: int) -> np.ndarray:
-        m = self.settled & (self.tier == t) & ~self.b.moved & ~self.starting
+        m = self.settled & (self.tier == t) & ~self.b.moved & ~self.starting & ~self.no_demote
         if t == 0:
             m &= ~self.keep
         if self.is_swap[t + 1]:
@@ -723,6 +732,7 @@ def _step_constraints(x: _Tick) -> None:
     """1. Blocks that must be elsewhere go there (residence does not apply: the operator asked)."""
     b, tier, T = x.b, x.tier, x.T
     want_pin = x.actionable & x.pinned & (x.pin_tier >= 0) & (x.pin_tier < T) & (x.pin_tier != tier)
+    want_pin &= ~(x.no_demote & (x.pin_tier > tier))  # down: that backoff holds
     rows = np.flatnonzero(want_pin)
     x.mark(b.take(rows, x.pin_tier[rows], R_PIN), S_PLACED)
     x.mark(rows, S_RATE_LIMIT)
@@ -1016,15 +1026,22 @@ def record_results(
     retry_at, fail_count, flags = _field(table, "retry_at"), _field(table, "fail_count"), _field(table, "flags")
     why = _field(table, "stuck")
     good = rows[ok]
+    fail_dir = None if isinstance(table, Mapping) and "fail_dir" not in table else _field(table, "fail_dir")
+    bad = rows[~ok]
+    if fail_dir is not None and bad.size:
+        # which way the failed move went (before the tier below changes)
+        fail_dir[bad] = 0 if dst is None else np.sign(
+            np.asarray(dst, dtype=np.int64)[~ok] - tier[bad].astype(np.int64)).astype(np.int8)
     if dst is not None:
         tier[good] = np.asarray(dst, dtype=np.int8)[ok]
     last_move[good] = now
     fail_count[good] = 0
     retry_at[good] = -np.inf
+    if fail_dir is not None:
+        fail_dir[good] = 0
     moved = good[why[good] != STUCK_DECLARED]
     flags[moved] &= np.uint8(~F_UNMOVABLE & 0xFF)
     why[moved] = STUCK_NONE
-    bad = rows[~ok]
     if bad.size:
         _field(table, "returns")[bad] = 0  # a failed move backs off every move, not only pageout
         fc = np.minimum(fail_count[bad].astype(np.int64) + 1, np.iinfo(np.uint16).max)

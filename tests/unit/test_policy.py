@@ -300,6 +300,40 @@ def test_prefill_done_blocks_are_demoted_first():
     assert p.rows.tolist() == [3]
 
 
+def test_a_refused_demotion_backs_off_demotions_only():
+    """A block the kernel would not page out (its pages in use, or not on
+    an LRU list yet just after a move) stays where it is; if it is read
+    next, it is promoted at once. Fails without ``fail_dir``: the failed
+    pageout barred the block from every move for its backoff, and a TCG
+    guest's next hot set sat on CXL for 30 s (13 of 16 blocks in DRAM
+    after 54 ticks). A refused promotion still backs off promotions."""
+    c = cfg(backoff_base_s=30.0, unmovable_after=3)
+    t = make_table(4, tier=1, temp=0.0)
+    ts = tiers(2, cxl_blocks=2, swap_blocks=100)  # CXL over its target: the coldest go to swap
+    p, _ = plan(t.snapshot(), ts, c, PolicyState(), 10.0)
+    assert len(p) >= 2 and (p.dst == 2).all()
+    ok = np.ones(len(p), dtype=bool)
+    ok[0] = False
+    record_results(t, p.rows, ok, np.zeros(len(p), bool), 10.0, c, dst=p.dst)
+    held, gone = int(p.rows[0]), int(p.rows[1])
+    assert t.fail_dir[held] == 1 and t.fail_dir[gone] == 0 and t.retry_at[held] == 40.0
+    # still cold: not paged out again within the backoff
+    p, _ = plan(t.snapshot(), ts, c, PolicyState(), 11.0)
+    assert held not in p.rows.tolist()
+    # read now: promoted into DRAM's free room, backoff or not
+    t.temp[held] = 10.0
+    p, _ = plan(t.snapshot(), ts, c, PolicyState(), 12.0)
+    assert held in p.rows[p.dst == 0].tolist()
+    # a promotion that fails backs off promotions
+    record_results(t, np.array([held]), [False], [False], 12.0, c, dst=np.array([0], dtype=np.int8))
+    assert t.fail_dir[held] == -1
+    p, _ = plan(t.snapshot(), ts, c, PolicyState(), 13.0)
+    assert held not in p.rows.tolist()
+    # a move that succeeds clears it
+    record_results(t, np.array([held]), [True], [False], 80.0, c, dst=np.array([0], dtype=np.int8))
+    assert t.fail_dir[held] == 0
+
+
 def test_failed_moves_backoff_and_are_not_retried_before_retry_at():
     t = make_table(3, tier=1, temp=10.0)
     c = cfg(backoff_base_s=1.0, unmovable_after=3)
