@@ -922,6 +922,10 @@ class Client:
         self.server: dict = {}
         self._next_id = 1
         self._in_flight: dict[int, str] = {}  # pipelined request id -> op
+        # The hello of a connection a hint made (_connect_nowait), not
+        # answered yet: its request id (0: none). Its answer is collected
+        # with the others and completes the connection (_greeted).
+        self._greeting = 0
         self._rbuf = bytearray()
         self._regions: dict[int, Region] = {}
         self._events: list[protocol.Response] = []  # unasked frames (engine-mode moves) not served yet
@@ -969,23 +973,70 @@ class Client:
             elif e.errno in (_errno.ENOENT, _errno.ECONNREFUSED):
                 why += "; is kvtierd running? (systemctl status kvtierd)"
             raise DaemonUnavailable(self.path, why, e.errno or 0) from None
-        self.sock = s
-        self.connected_once = True
-        self.unreachable = False
-        self._rbuf.clear()
-        self._in_flight.clear()
-        self._wpartial = b""
-        self.server = {}
-        self._close_ring()
-        self.server = self._call_once(protocol.Hello(client=self.name))
-        self._ring_wanted = self.use_ring and "hint_ring" in self.server.get("capabilities", ())
+        self._new_connection(s)
+        try:
+            server = self._call_once(protocol.Hello(client=self.name))
+        except socket.timeout:
+            # A listening socket nobody serves: kvtierd.socket while the
+            # service is stopped or restarting takes connections at once.
+            self.close_socket(salvage=True)
+            raise DaemonUnavailable(self.path, f"connected, but it did not answer in time ({self.timeout} s): "
+                                    "kvtierd is starting, or stopped while its socket unit holds the socket") from None
         # A new connection executes the engine regions' moves from now on
         # (the daemon dropped the moves pending on the old one).
         for r in list(self._regions.values()):
             if isinstance(r, EngineRegion) and not r.closed:
                 self._call_once(protocol.Attach(region=r.id, tiers=r.tiers.astype(protocol.TIERS_DTYPE).tobytes()))
-        if self._regions:  # a reconnect: the hints of the regions held go to the new ring
-            self._ready_ring()
+        self._greeted(server)
+        self._ready_ring()
+
+    def _new_connection(self, s: socket.socket) -> None:
+        self.sock = s
+        self.connected_once = True
+        self._rbuf.clear()
+        self._in_flight.clear()
+        self._wpartial = b""
+        self._greeting = 0
+        self.server = {}
+        self._close_ring()
+
+    def _greeted(self, server: dict) -> None:
+        """hello answered: the daemon serves this connection."""
+        self.server = server
+        self.unreachable = False
+        # asked for once a region is held (now, on a reconnect: by connect or the next call)
+        self._ring_wanted = self.use_ring and "hint_ring" in server.get("capabilities", ())
+
+    def _connect_nowait(self) -> bool:
+        """The hint path's one connection attempt: connect, write hello (and
+        the engine regions' attach) and return without reading an answer.
+        A unix connect completes at once or fails at once; what answers it
+        may not run yet (kvtierd.socket holds the socket while the service
+        restarts), and hints never wait. The queued hints follow hello on
+        the socket (the daemon answers frames in order); hello's answer is
+        collected with theirs (_collect) and completes the connection. The
+        ring is asked for by the next call that waits anyway."""
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+        try:
+            s.connect(self.path)
+        except OSError:  # absent, refused, or a full backlog (EAGAIN): the hints stay queued
+            s.close()
+            return False
+        s.settimeout(self.timeout)
+        self._new_connection(s)
+        frames = [protocol.Hello(client=self.name)]
+        frames += [protocol.Attach(region=r.id, tiers=r.tiers.astype(protocol.TIERS_DTYPE).tobytes())
+                   for r in self._regions.values() if isinstance(r, EngineRegion) and not r.closed]
+        data = b""
+        for req in frames:
+            req.id = self._next_id
+            self._next_id += 1
+            self._in_flight[req.id] = req.__struct_config__.tag
+            data += protocol.encode_request(req)
+        self._greeting = frames[0].id
+        self._wpartial = data  # written first by _push_hints, before any queued hint
+        self.reconnects += 1
+        return True
 
     def _reconnect(self) -> None:
         """Connect again, retrying for up to ``reconnect_timeout`` (a daemon
@@ -1071,8 +1122,9 @@ class Client:
                 self._queue_hint(protocol.Hint(region=rid, blocks=b.tobytes()), int(b.size))
 
     def _ready_ring(self) -> None:
-        """Ask for this connection's ring now if it is wanted and not asked yet."""
-        if self.ring is None and self._ring_wanted:
+        """Ask for this connection's ring now if it is wanted, not asked yet,
+        and a region is held (the ring carries regions' hints)."""
+        if self.ring is None and self._ring_wanted and self._regions:
             self._open_ring()
 
     def _ring_put(self, word: int, packed: bytes, checked: bool = False) -> bool:
@@ -1154,7 +1206,7 @@ class Client:
         req.id = rid
         if self.sock is None:
             raise ConnectionResetError(_errno.ENOTCONN, "not connected")
-        if self.server:  # after hello: frames stay in order, queued hints first
+        if self.server or self._greeting:  # after hello: frames stay in order, queued hints first
             self._push_hints(block=True)
         self.sock.sendall(protocol.encode_request(req))
         return rid
@@ -1165,16 +1217,13 @@ class Client:
         """Queue one hint frame and write what the socket takes now."""
         self._queue_hint(req, nblocks)
         try:
-            if self.sock is None:
-                try:  # one attempt, no waiting: the queue holds the hints meanwhile
-                    self.connect()
-                    self.reconnects += 1
-                except (DaemonUnavailable, ConnectionError, socket.timeout):
-                    return
+            # one attempt, no waiting: the queue holds the hints meanwhile
+            if self.sock is None and not self._connect_nowait():
+                return
             # Answers are read once half the in-flight window is used, not
             # per batch: a read is a system call the engine pays for, and the
             # daemon's answers to hints are a few dozen bytes each.
-            if len(self._in_flight) >= MAX_IN_FLIGHT // 2 or self._engine:
+            if len(self._in_flight) >= MAX_IN_FLIGHT // 2 or self._engine or self._greeting:
                 self._poll_answers()
             self._push_hints(block=False)
         except (ConnectionError, BrokenPipeError, socket.timeout):
@@ -1316,6 +1365,11 @@ class Client:
             self._events.append(resp)  # run by poll() / after the current call, never re-entrantly
             return
         op = self._in_flight.pop(resp.id, "?")
+        if resp.id == self._greeting:
+            self._greeting = 0
+            if resp.ok:
+                self._greeted(resp.result)
+                return
         if not resp.ok:
             e = resp.error
             self.async_errors.append(KvtierClientError(op, e.code, e.message, e.errno, e.retry_after_ms))
@@ -1348,6 +1402,18 @@ class Client:
             raise KvtierClientError(op, e.code, e.message, e.errno, e.retry_after_ms)
         return resp.result
 
+    def _await_greeting(self) -> None:
+        """A call on a connection a hint made: wait for its hello's answer
+        first, as connect() does; none in ``timeout``: the connection is
+        dropped (ConnectionError), so call() reconnects, waiting as usual."""
+        try:
+            self._push_hints(block=True)
+            while self._greeting:
+                self._collect(self._recv_one())
+        except socket.timeout:
+            self._lost_connection()
+            raise ConnectionResetError(_errno.ETIMEDOUT, "no answer to hello") from None
+
     def call(self, req: protocol.Request) -> Any:
         """Send one request and wait for its answer; reconnect once if the
         daemon went away (it may be restarting)."""
@@ -1361,6 +1427,9 @@ class Client:
                         self._reconnect()
                     else:
                         self.connect()
+                elif self._greeting:
+                    self._await_greeting()
+                self._ready_ring()
                 result = self._call_once(req)
                 if self._events and not isinstance(req, protocol.MoveDone):
                     self._run_events()

@@ -622,18 +622,29 @@ def test_sd_notify_ready_and_watchdog(workdir):
         rx.close()
 
 
-def test_socket_activation(workdir):
-    # What systemd does for kvtierd.socket: bind, then pass fd 3 with LISTEN_FDS/LISTEN_PID.
-    path = os.path.join(workdir, "activated.sock")
+def held_socket(path: str) -> socket.socket:
+    """What systemd's kvtierd.socket holds: a listening socket at ``path``,
+    there before the service starts and after it stops."""
     ls = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     ls.bind(path)
     ls.listen(16)
-    d = DaemonProc(workdir)
+    return ls
+
+
+def activated(d: DaemonProc, ls: socket.socket) -> subprocess.Popen:
+    """kvtierd started as systemd starts it for kvtierd.socket: ``ls`` as fd 3, LISTEN_FDS/LISTEN_PID."""
     code = ("import os, sys; os.dup2(int(sys.argv[1]), 3); os.environ['LISTEN_FDS'] = '1'; "
             "os.environ['LISTEN_PID'] = str(os.getpid()); "
             "os.execv(sys.executable, [sys.executable, '-m', 'kvtier.daemon', '-c', sys.argv[2]])")
-    p = subprocess.Popen([PY, "-c", code, str(ls.fileno()), d.config], pass_fds=(ls.fileno(),),
-                         stderr=subprocess.DEVNULL)
+    return subprocess.Popen([PY, "-c", code, str(ls.fileno()), d.config], pass_fds=(ls.fileno(),),
+                            stderr=subprocess.DEVNULL)
+
+
+def test_socket_activation(workdir):
+    path = os.path.join(workdir, "activated.sock")
+    ls = held_socket(path)
+    d = DaemonProc(workdir)
+    p = activated(d, ls)
     ls.close()
     try:
         c = wait_for(lambda: _try_client(path), "activated daemon")
@@ -645,9 +656,60 @@ def test_socket_activation(workdir):
         assert p.wait(timeout=DEADLINE) == 0
 
 
-def _try_client(path):
+class Stalled(Exception):
+    pass
+
+
+def test_hints_never_wait_for_a_socket_nobody_serves_yet(workdir):
+    """Installed as README says, kvtierd.socket keeps the socket listening
+    while kvtierd.service restarts (RestartSec=2s, then its start-up): a
+    connect succeeds at once and nothing answers until the new daemon runs.
+    A hint that reconnected waited there for hello's answer (the client's
+    timeout: 10 s of a decode loop). Hints must go on without waiting; once
+    the daemon serves the socket they arrive and the same handle works."""
+    import mmap as _mmap
+
+    path = os.path.join(workdir, "activated.sock")
+    ls = held_socket(path)
+    d = DaemonProc(workdir)
+    p = activated(d, ls)
+    # timeout=None: a client that waits for an answer here waits for good;
+    # the alarm turns that into this test's failure instead of a stuck suite.
+    c = wait_for(lambda: _try_client(path, timeout=None, hint_ring=False, hint_interval=0), "activated daemon")
+    buf = _mmap.mmap(-1, 4 << 20)
+    buf.write(b"\1" * len(buf))
+    r = c.register(buf, block_size=1 << 20)
+    r.hint([0])
+    assert c.flush() == []
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=DEADLINE) == 0  # the service is down; the socket stays (ls)
+
+    def stalled(*_):
+        raise Stalled("a hint call waited for an answer")
+
+    old = signal.signal(signal.SIGALRM, stalled)
+    signal.alarm(30)
     try:
-        return Client(path, reconnect_timeout=0)
+        for b in (1, 2, 3):  # the first finds the connection closed, the next ones connect to the held socket
+            r.hint([b])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    p = activated(d, ls)  # the service is back on the same socket
+    try:
+        assert r.phase("free", [3]) == 1  # same handle: re-adopted from the state file
+        assert c.flush() == []
+        assert [x["block_hints"] for x in c.regions() if x["id"] == r.id] == [3]  # 1, 2, 3: none lost
+        c.close()
+    finally:
+        ls.close()
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=DEADLINE) == 0
+
+
+def _try_client(path, **kw):
+    try:
+        return Client(path, reconnect_timeout=0, **kw)
     except (OSError, KvtierClientError):
         return None
 
