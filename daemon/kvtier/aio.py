@@ -95,9 +95,7 @@ class AsyncRegion(Region):
         self._drop_pending()
         self._close_hint_sets()
         await self.client.call(protocol.Unregister(region=self.id))
-        self.closed = True
-        self._keepalive = None
-        self.client._regions.pop(self.id, None)
+        self._forget()
 
 
 class AsyncEngineRegion(AsyncRegion, EngineRegion):

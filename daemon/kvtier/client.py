@@ -572,6 +572,10 @@ class Region:
         self._drop_pending()
         self._close_hint_sets()
         self.client.call(protocol.Unregister(region=self.id))
+        self._forget()
+
+    def _forget(self) -> None:
+        """The daemon no longer has the region: this side drops it too."""
         self.closed = True
         self._cparts = []  # hint()'s fast path tests this: it now takes the path that says "unregistered"
         self._keepalive = None

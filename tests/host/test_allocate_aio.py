@@ -68,6 +68,24 @@ def test_async_client_registers_allocates_hints_and_queries(daemon):
     asyncio.run(main())
 
 
+def test_async_region_refuses_hints_once_unregistered(daemon):
+    """docs/integrations.md: hint raises ValueError once the region is
+    unregistered, as the blocking client's does. The asyncio region's
+    uint32 fast path took the hint instead, and it went nowhere: the client
+    no longer holds the region, so no flush sends it and no error says so."""
+
+    async def main():
+        async with AsyncClient(daemon.sock) as kv:
+            pool = await kv.allocate(4 * MIB, MIB)
+            await pool.unregister()
+            with pytest.raises(ValueError, match="unregistered"):
+                pool.hint(np.array([1], dtype=np.uint32))
+            with pytest.raises(ValueError, match="unregistered"):
+                pool.hint([1])
+
+    asyncio.run(main())
+
+
 async def _measured(region):
     t = await region.query()
     return t if (t >= 0).all() else None

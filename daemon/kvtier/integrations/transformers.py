@@ -212,8 +212,7 @@ class KvtierCache(Cache):
             try:
                 self.region.unregister()
             except KvtierClientError:
-                self.region.closed = True
-                self.client._regions.pop(self.region.id, None)
+                self.region._forget()
 
     def _grow(self, need: int) -> None:
         """A step needs ``need`` tokens, more than the pool holds: a new pool
