@@ -76,7 +76,7 @@ class AsyncRegion(Region):
         self.flush()
         t0 = time.monotonic()
         r = await self.client.call(protocol.Prefetch(region=self.id, blocks=_packed(blocks)))
-        if wait and r["queued"]:  # the queued ones, as Region.prefetch
+        if wait and r["queued"] and not r.get("dry_run"):  # the queued ones, as Region.prefetch
             sel = _prefetch_selection(blocks)
             while np.count_nonzero((await self.query())[sel] == 0) < r["already"] + r["queued"]:
                 if time.monotonic() - t0 > timeout:

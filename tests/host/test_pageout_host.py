@@ -21,6 +21,7 @@ Waits poll with a generous deadline; nothing asserts on elapsed time.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import os
@@ -37,6 +38,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvchild import KVChild, page_out
 from kvtierd import acting
+from kvtier.aio import AsyncClient
 from kvtier.client import Client, KvtierClientError
 from kvtier.kernel.procfs import PM_PRESENT, PM_SWAP, Pagemap
 from kvtier.record import INDEX_BITS
@@ -369,6 +371,8 @@ def test_a_dry_run_answers_prefetch_and_migrate_as_a_dry_run(tmp_path, swapfile)
         ans = region.prefetch(wait=True, timeout=20)
         assert time.monotonic() - t0 < 10 and ans["queued"] == 16 and ans["dry_run"] is True, ans
         assert region.release()["dry_run"] is True
+        # The asyncio client's prefetch(wait=True) too: it waited to its timeout and raised.
+        assert asyncio.run(_async_prefetch_wait(d.socket, child))["dry_run"] is True
         r = ctl(d, "migrate", str(region.id), "dram")
         assert r.returncode == 0 and "dry run" in r.stdout and "nothing will move" in r.stdout, r.stdout + r.stderr
         assert json.loads(ctl(d, "--json", "migrate", str(region.id), "dram").stdout)["dry_run"] is True
@@ -377,6 +381,12 @@ def test_a_dry_run_answers_prefetch_and_migrate_as_a_dry_run(tmp_path, swapfile)
         assert child.smaps_kib() == {"Rss": 0, "Swap": POOL // 1024}  # nothing moved
         assert (region.query() == 1).all()
         assert metric(d.url, "kvtier_migrated_blocks_total", src="swap", dst="dram") in (None, 0)
+
+
+async def _async_prefetch_wait(socket_path: str, child) -> dict:
+    async with AsyncClient(socket_path, name="test_dry_aio") as kv:
+        region = await kv.register(addr=child.addr, length=POOL, block_size=BLOCK, pid=child.pid)
+        return await region.prefetch(wait=True, timeout=20)
 
 
 def test_shared_pool_in_swap_is_measured_again_after_swapoff(tmp_path, swapfile):
