@@ -350,10 +350,15 @@ class Migrator:
                                                                   starts.shape), self.proc_root)
 
     def check_mapped(self, pid: int, layout: PageLayout) -> None:
-        """Raise RangeNotMapped unless every block lies inside the process's mappings.
+        """Raise RangeNotMapped unless every block lies inside the process's
+        private anonymous or shared-memory mappings.
 
         Checked before acting so an unmapped range is a clear error rather
-        than a scatter of per-page EFAULTs. One PROCMAP_QUERY ioctl per VMA
+        than a scatter of per-page EFAULTs. Only memory register accepts: a
+        process may map a file over its region (MAP_FIXED) after
+        registering it, and MADV_PAGEOUT from the root daemon would evict
+        that file's page cache, which the kernel refuses its owner unless
+        it may write the file (a page-cache side channel). One PROCMAP_QUERY ioctl per VMA
         of each run (falling back to /proc/PID/maps on kernels before 6.11),
         instead of parsing every mapping of the process on every call.
         """

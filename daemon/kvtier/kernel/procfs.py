@@ -68,9 +68,17 @@ class Mapping:
         )
 
     @property
+    def kv_memory(self) -> bool:
+        """Private anonymous or shared memory, whatever its protection now:
+        what the daemon may move or page out for a region (the kernel
+        judges MADV_PAGEOUT of a file's page cache by the caller's right to
+        write the file, and the caller is the root daemon)."""
+        return self.anonymous_private or self.shared_memory
+
+    @property
     def kv_eligible(self) -> bool:
-        """Memory a KV cache may live in: private anonymous or shared memory."""
-        return "r" in self.perms[:1] and (self.anonymous_private or self.shared_memory)
+        """Memory a KV cache may be registered in: readable kv_memory."""
+        return "r" in self.perms[:1] and self.kv_memory
 
 
 def _pid_path(proc_root: str, pid: int, name: str) -> str:
@@ -115,8 +123,10 @@ def check_range(maps: list[Mapping], start: int, length: int, *, kv_only: bool =
     """Raise RangeNotMapped unless [start, start+length) is covered by mappings.
 
     Adjacent mappings (the kernel splits a VMA when part of it is mbind'ed or
-    madvised) may together cover the range; with ``kv_only`` every piece must
-    be private anonymous or shared memory.
+    madvised) may together cover the range; every piece must be private
+    anonymous or shared memory (``kv_memory``), and with ``kv_only`` also
+    readable (``kv_eligible``: what register accepts; a registered range
+    its owner later mprotects is still moved).
     """
     if length <= 0:
         raise InvalidArgument(f"length must be positive, got {length}")
@@ -127,7 +137,7 @@ def check_range(maps: list[Mapping], start: int, length: int, *, kv_only: bool =
             continue
         if m.start > pos:
             break
-        if kv_only and not m.kv_eligible:
+        if not (m.kv_eligible if kv_only else m.kv_memory):
             raise RangeNotMapped(
                 f"range 0x{start:x}+{length} overlaps mapping 0x{m.start:x}-0x{m.end:x} "
                 f"({m.path or 'anonymous'} {m.perms}) which is not private anonymous or shared memory"

@@ -105,7 +105,8 @@ def mappings(pid: int, start: int, length: int, proc_root: str = "/proc") -> lis
 
 def check_range(pid: int, start: int, length: int, proc_root: str = "/proc", *, kv_only: bool = True) -> None:
     """Raise RangeNotMapped unless [start, start+length) lies in mappings of
-    ``pid`` (KV-eligible ones with ``kv_only``; procfs.check_range rules)."""
+    ``pid`` that are private anonymous or shared memory (readable too with
+    ``kv_only``; procfs.check_range rules)."""
     procfs.check_range(mappings(pid, start, length, proc_root), start, length, kv_only=kv_only)
 
 
