@@ -757,7 +757,9 @@ class ControlAPI:
         names = self.engine.tier_names()
         if spec in names:
             return names.index(spec)
-        if spec.isdigit() and int(spec) < len(names):
+        # ASCII digits only: str.isdigit() also takes "²" (int() refuses it)
+        # and other scripts' digits ("١" would be tier 1).
+        if spec.isascii() and spec.isdigit() and int(spec) < len(names):
             return int(spec)
         raise protocol.ProtocolError(protocol.E_INVALID_ARGUMENT, f"no tier {spec!r} (tiers: {', '.join(names) or 'none'})")
 

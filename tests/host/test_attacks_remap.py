@@ -13,7 +13,10 @@ import subprocess
 
 import pytest
 
-from test_daemon import DROP, NOBODY, DaemonProc, PY, workdir  # noqa: F401  (fixtures)
+from kvtier import protocol
+
+from test_attacks import _connect, raw_call
+from test_daemon import DROP, DaemonProc, PY, daemon, workdir  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.root
 
@@ -85,3 +88,20 @@ def test_a_file_mapped_over_a_region_is_never_paged_out_by_the_daemon(workdir, s
     finally:
         assert d.stop() == 0
         assert "Traceback" not in d.read_log(), d.read_log()
+
+
+def test_allocate_names_a_tier_by_ascii_digits_only(daemon):
+    """allocate's `tier` is "auto", a tier name or a tier index as a
+    string. str.isdigit() also takes "²" (which int() refuses: the request
+    was answered internal_error, with a Traceback in the log) and "١"
+    (Arabic-Indic one, taken as tier 1)."""
+    s = _connect(daemon.sock)
+    reader = protocol.FrameReader(1 << 30)
+    try:
+        for spec in ("²", "١", "0x1", " 1"):
+            r = raw_call(s, reader, {"op": "allocate", "id": 5, "start": 1 << 30, "length": 1 << 20,
+                                     "block_size": 1 << 20, "tier": spec})
+            assert (r.id, r.ok, r.error.code) == (5, False, "invalid_argument"), (spec, r)
+            assert "no tier" in r.error.message, (spec, r.error.message)
+    finally:
+        s.close()
