@@ -583,8 +583,36 @@ class BoundedHTTPServer(http.server.HTTPServer):
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
+def _cut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)  # the worker's blocked read returns at once
+    except OSError:
+        pass
+
+
 class _Handler(MetricsHandler):
+    # Per read or write: a client that stops is dropped after this long.
     timeout = HTTP_TIMEOUT
+
+    def setup(self):
+        super().setup()
+        # ...and the whole request line and headers must arrive within it
+        # too: the timeout above restarts with every byte, so four clients
+        # trickling a byte a second held the four workers for as long as
+        # they liked, and no scrape was answered meanwhile.
+        self._deadline = threading.Timer(HTTP_TIMEOUT, _cut, (self.connection,))
+        self._deadline.daemon = True
+        self._deadline.start()
+
+    def parse_request(self):
+        try:
+            return super().parse_request()  # reads the headers
+        finally:
+            self._deadline.cancel()
+
+    def finish(self):
+        self._deadline.cancel()
+        super().finish()
 
     def log_message(self, format, *args):  # no line per scrape on stderr
         pass

@@ -105,3 +105,66 @@ def test_allocate_names_a_tier_by_ascii_digits_only(daemon):
             assert "no tier" in r.error.message, (spec, r.error.message)
     finally:
         s.close()
+
+
+def test_clients_trickling_a_request_do_not_hold_the_metrics_exporter(workdir):
+    """The exporter's socket timeout restarts with every byte: four local
+    clients sending a request a byte every second held its four worker
+    threads for good, and every scrape waited behind them (seen: a scrape
+    with a 15 s timeout failed while they trickled). The request line and
+    headers now have HTTP_TIMEOUT in all; the daemon then hangs up on the
+    trickler, and a scrape is answered while they go on."""
+    import socket
+    import threading
+    import time
+
+    from kvtier.metrics import HTTP_WORKERS
+    from test_attacks import _scrape
+    from test_daemon import wait_for
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = DaemonProc(workdir)
+    d.write_config(f'[metrics]\nenabled = true\naddress = "127.0.0.1"\nport = {port}\n')
+    # The base config turns metrics off; this test's table replaces it.
+    text = open(d.config).read().replace("[metrics]\nenabled = false\n", "", 1)
+    open(d.config, "w").write(text)
+    d.start()
+    url = f"http://127.0.0.1:{port}/metrics"
+    stop = threading.Event()
+    cut = []
+
+    def hung_up(c: socket.socket) -> bool:
+        try:
+            return c.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK) == b""
+        except BlockingIOError:
+            return False  # open, nothing to read
+
+    def trickle() -> None:
+        with socket.create_connection(("127.0.0.1", port)) as c:
+            try:
+                for ch in b"GET /metrics HTTP/1.0\r\nX-Slow: " + b"a" * 100_000:
+                    if stop.is_set():
+                        return
+                    c.send(bytes([ch]))
+                    if hung_up(c):
+                        break
+                    time.sleep(0.5)
+            except OSError:
+                pass  # reset or EPIPE: the daemon hung up
+            cut.append(True)
+
+    def trickle_loop() -> None:
+        while not stop.is_set():
+            trickle()
+
+    try:
+        threads = [threading.Thread(target=trickle_loop, daemon=True) for _ in range(HTTP_WORKERS)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: len(cut) >= HTTP_WORKERS, "the daemon to hang up on the trickling clients")
+        assert b"kvtier_connections" in wait_for(lambda: _scrape(url), "a scrape while they trickle")
+    finally:
+        stop.set()
+        assert d.stop() == 0
