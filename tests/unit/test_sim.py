@@ -363,6 +363,13 @@ def test_request_trace_formats_and_bad_input(tmp_path):
 
     assert kv_bytes_per_token("llama-3-8b") == 131072  # 2 x 32 layers x 8 KV heads x 128 x fp16
     assert kv_bytes_per_token("llama-3-70b") == 327680
+    # a Hugging Face name is the same model: its path, case and variant do not matter
+    assert kv_bytes_per_token("meta-llama/Meta-Llama-3-8B-Instruct") == 131072
+    assert kv_bytes_per_token("meta-llama/Llama-2-7b-chat-hf") == 524288  # MHA: 32 KV heads
+    assert kv_bytes_per_token("Qwen/Qwen2.5-72B-Instruct") == 327680
+    assert kv_bytes_per_token("google/gemma-2-9b-it") == 344064  # head dim 256
+    with pytest.raises(InvalidArgument, match="unknown model 'gpt-4'"):
+        kv_bytes_per_token("gpt-4")
     p = _jsonl(tmp_path / "b.jsonl", [
         {"chat_id": 1, "parent_chat_id": -1, "timestamp": 0.5, "input_length": 40, "output_length": 2,
          "type": "text", "turn": 1, "hash_ids": [1, 2, 3]},

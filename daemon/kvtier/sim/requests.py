@@ -68,7 +68,37 @@ MODELS: dict[str, tuple[int, int, int]] = {
     "mixtral-8x7b": (32, 8, 128),
     "qwen2-7b": (28, 4, 128),
     "qwen2-72b": (80, 8, 128),
+    "llama-3.1-8b": (32, 8, 128),
+    "llama-3.1-70b": (80, 8, 128),
+    "llama-3.2-1b": (16, 8, 64),
+    "llama-3.2-3b": (28, 8, 128),
+    "llama-2-70b": (80, 8, 128),
+    "qwen2.5-7b": (28, 4, 128),
+    "qwen2.5-14b": (48, 8, 128),
+    "qwen2.5-32b": (64, 8, 128),
+    "qwen2.5-72b": (80, 8, 128),
+    "mistral-nemo-12b": (40, 8, 128),
+    "gemma-2-9b": (42, 8, 256),
+    "gemma-2-27b": (46, 16, 128),
+    "phi-3-mini": (32, 32, 96),  # MHA
 }
+# Hugging Face names name the same models: "meta-llama/Meta-Llama-3-8B-Instruct"
+_ORG_PREFIXES = ("meta-",)
+_VARIANT_SUFFIXES = ("-instruct", "-chat", "-it", "-hf", "-base")
+
+
+def model_name(model: str) -> str:
+    """The table's name for ``model``: case, an organisation's path and
+    variant suffixes (instruct, chat, hf...) do not change the KV cache."""
+    name = model.strip().lower().rsplit("/", 1)[-1]
+    while name not in MODELS and name.endswith(_VARIANT_SUFFIXES):
+        name = name[: name.rfind("-")]
+    for prefix in _ORG_PREFIXES:
+        if name not in MODELS and name.removeprefix(prefix) in MODELS:
+            name = name.removeprefix(prefix)
+    return name
+
+
 FORMATS = ("auto", "mooncake", "bailian")
 BLOCK_TOKENS = {"mooncake": 512, "bailian": 16}
 DEFAULT_MODEL = "llama-3-8b"
@@ -76,9 +106,10 @@ DEFAULT_DECODE_TPS = 30.0
 
 
 def kv_bytes_per_token(model: str) -> int:
-    if model not in MODELS:
+    name = model_name(model)
+    if name not in MODELS:
         raise InvalidArgument(f"unknown model {model!r}; known: {', '.join(MODELS)} (or give KV bytes per token)")
-    layers, heads, dim = MODELS[model]
+    layers, heads, dim = MODELS[name]
     return 2 * layers * heads * dim * 2
 
 
