@@ -532,7 +532,8 @@ class Region:
 
     def release(self, blocks: Iterable[int] | np.ndarray | None = None) -> dict:
         """The session is paused: these blocks may go one tier down now
-        (never below a constraint). Same answer as ``prefetch``."""
+        (never below a constraint), blocks written since the daemon last
+        measured them included. Same answer as ``prefetch``."""
         self.flush()
         packed = None if blocks is None else protocol.pack_blocks(np.asarray(blocks).ravel())
         return self.client.call(protocol.Release(region=self.id, blocks=packed))

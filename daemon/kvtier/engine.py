@@ -1010,8 +1010,17 @@ class Engine:
             mark_prefetched(t, self.temperature, rows, self.policy_cfg)
         else:
             slowest_mem = max([x.index for x in self.topology.tiers if x.kind != "swap"], default=0)
-            dst = np.minimum(tier + 1, len(self.topology.tiers) - 1)
+            # a block not measured since it was written is taken as in DRAM
+            # (first touch), where its owner just wrote it
+            dst = np.minimum(np.maximum(tier, 0) + 1, len(self.topology.tiers) - 1)
             dst = np.where((flags & F_NEVER_SWAP) != 0, np.minimum(dst, slowest_mem), dst)
+            # Released too: the owner says they are done with them, and the
+            # mover finds where their pages are (never-written ones are
+            # reported untouched). Skipped, a session paused right after
+            # its last decode step kept most of its blocks in DRAM (their
+            # hints had queued a measurement that had not run yet).
+            unknown = (tier < 0) & ((flags & np.uint8(F_UNMOVABLE | F_ENGINE)) == 0) & (dst > 0)
+            movable |= unknown
             movable &= (flags & F_KEEP_DRAM) == 0
             # Cold, so the policy does not promote them back before they are read again.
             t.temp[rows] = 0.0
@@ -1274,7 +1283,8 @@ class Engine:
         keep = keep[rows[keep] >= 0]
         rows, dst, asked, timed = rows[keep], dst[keep], asked[keep], timed[keep]
         src = t.tier[rows].copy()
-        go = (dst != src) & (src >= 0)
+        # a release of a block not measured yet (schedule) goes from "unknown"
+        go = (dst != src) & ((src >= 0) | (dst > 0))
         rows, dst, asked, timed, src = rows[go], dst[go], asked[go], timed[go], src[go]
         if rows.size == 0:
             return None

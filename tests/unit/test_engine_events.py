@@ -204,3 +204,26 @@ def test_a_pool_resident_when_registered_is_no_allocation_burst(wired):
     r.tick(2, dt=0.1)
     assert (r.table.tier[r.rows(lazy)] >= 0).all()
     assert r.engine.pstate.inflow_bps > 0.0  # (and a burst: the idle blocks make room for more)
+
+
+def test_a_release_takes_blocks_not_measured_since_they_were_written(wired):
+    """An engine pauses a session right after its last decode step: the
+    blocks it wrote since the last measurement have no known tier yet.
+    Fails without taking them: `release` answered them `skipped` and they
+    stayed in DRAM (KvtierCache.release() straight after generate():
+    queued 4, skipped 28). Never-written blocks of the release go to the
+    mover too, which reports them untouched: they stay unplaced."""
+    r = wired(8, capacity={DRAM: 24 * BLOCK})
+    r.settle()
+    r.kernel.loc[8 * PPB : 16 * PPB] = -1  # ABSENT: a second region, not written yet
+    late = r.registry.add(PID, BASE + 8 * BLOCK, 8 * BLOCK, BLOCK, name="session").id
+    r.tick(2)
+    rows = np.arange(r.rows(late).start, r.rows(late).stop)
+    assert (r.table.tier[rows] < 0).all()
+    r.kernel.loc[8 * PPB : 14 * PPB] = DRAM  # the session writes 6 of its 8 blocks; no measurement since
+    ans = r.engine.schedule(rows, "release")
+    assert (ans["queued"], ans["already"], ans["skipped"]) == (8, 0, 0), ans
+    turns(r, lambda: not r.engine.mover.busy and not r.engine.scheduled and
+          (r.table.tier[rows[:6]] == SWAP_TIER).all())
+    assert (r.kernel.loc[8 * PPB : 14 * PPB] == SWAP).all()  # the kernel has them in swap
+    assert (r.table.tier[rows[6:]] < 0).all() and (r.kernel.loc[14 * PPB : 16 * PPB] == -1).all()
