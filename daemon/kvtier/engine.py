@@ -526,6 +526,10 @@ class Engine:
         # and hot rows seen in a lower tier waiting for the next loop turn
         # (each with the registry generation its rows belong to).
         self._first_look: list[int] = []
+        # Regions whose sampled windows may miss pages that are there
+        # (shared memory, a process with pages in swap; _may_hide_pages):
+        # there a window that found none does not say the block is unwritten.
+        self._windows_miss: set[int] = set()
         self._swap_lost = 0  # the topology's swap_lost already acted on (_after_swapoff)
         self._retarget_queued = False  # a registration's _retarget_now is due
         self._soon_rows: list[np.ndarray] = []
@@ -1072,6 +1076,7 @@ class Engine:
         """A region was just added: its blocks get a first look (a window of
         pages each) in the event loop's next turn, not at the next tick."""
         self._first_look.append(region_id)
+        self._windows_miss.discard(region_id)  # an id used before
         self.loop.call_soon(self.measure_soon)
         if self.sources and not self._retarget_queued:
             # The sources start watching it now, not at the next tick:
@@ -2161,15 +2166,26 @@ class Engine:
             # full once, so they do not read "never touched"; the rest are
             # not written yet.
             if job.first is not None:
-                unseen = r[job.first[ws] & (wt < 0) & (t.tier[r] < 0)]
-                flags[self._may_hide_pages(unseen)] |= np.uint8(F_STALE)
+                looked = r[job.first[ws]]
+                hidden = self._may_hide_pages(looked)
+                if hidden.size:
+                    self._windows_miss.update(np.unique(t.region[hidden]).tolist())
+                    if len(self._windows_miss) > 2 * len(self.registry.regions) + 64:
+                        self._windows_miss &= set(self.registry.regions)
+                    unseen = hidden[(t.tier[hidden] < 0) & np.isin(hidden, r[(wt < 0)])]
+                    flags[unseen] |= np.uint8(F_STALE)
             # what the sample is for: a block whose placement the table knew,
             # found elsewhere (a block seen for the first time is news, not drift)
             self._sample_yield(int(ws.size), int(np.count_nonzero(off & (t.tier[r] >= 0) & (t.tier[r] != wt))))
             flags[r[off & ~(new & job.window_whole[ws])]] |= np.uint8(F_STALE)
             # a block of unknown tier whose window found no page: its pages
-            # found later count as allocated since (not a resident pool's)
-            t.prior[r[(wt < 0) & (t.tier[r] < 0)]] = 0
+            # found later count as allocated since (not a resident pool's),
+            # unless windows may miss pages there (a second process's
+            # mapping of a shared pool: its measurement in full finds them)
+            nopage = r[(wt < 0) & (t.tier[r] < 0)]
+            if self._windows_miss and nopage.size:
+                nopage = nopage[~np.isin(t.region[nopage], np.fromiter(self._windows_miss, dtype=np.int64))]
+            t.prior[nopage] = 0
             if new.any():
                 t.tier[r[new]] = wt[new]
                 flags[r[new]] &= np.uint8(~F_NOT_PRESENT & 0xFF)

@@ -428,3 +428,36 @@ def test_shared_pool_in_swap_is_measured_again_after_swapoff(tmp_path, swapfile)
     finally:
         if on:
             subprocess.run(["swapoff", str(path)], check=False)
+
+
+def test_a_second_process_registering_a_shared_pool_in_swap_is_no_allocation_burst(tmp_path, swapfile):
+    """A /dev/shm pool its first process wrote and the daemon paged out;
+    a second process maps it without touching it and registers (engines
+    that share a KV pool between processes). Its sampled windows find no
+    page of its own, its measurement in full finds the pool in swap: that
+    is no allocation. Counted as one (32 MiB in a tick against
+    `demote_mbps` 16 MiB/s here), it read as DRAM filling for good and the
+    policy sent every idle block in DRAM down, an idle private pool beside
+    it included. Fails without the windows of shared mappings left out of
+    the `prior` test (engine._windows_miss)."""
+    path = f"/dev/shm/kvtier-test-{os.getpid()}"
+    try:
+        with roomy(tmp_path, "demote_mbps = 16.0\n") as d, KVChild(POOL) as idle, \
+                KVChild(POOL, f"--shm-path={path}") as a, Client(d.socket, name="test_pageout") as kv:
+            ri = kv.register(addr=idle.addr, length=POOL, block_size=BLOCK, name="idle", pid=idle.pid)
+            ra = kv.register(addr=a.addr, length=POOL, block_size=BLOCK, name="a", pid=a.pid)
+            measured(ri)
+            measured(ra)
+            r = ctl(d, "migrate", str(ra.id), "swap", "--wait")
+            assert r.returncode == 0, r.stdout + r.stderr
+            with KVChild(POOL, f"--shm-path={path}", "--sparse") as b:
+                rb = kv.register(addr=b.addr, length=POOL, block_size=BLOCK, name="b", pid=b.pid)
+                wait_for(lambda: (rb.query() == 1).all(), "the second mapping's blocks to read swap")
+                ticks = metric(d.url, "kvtier_ticks_total")
+                wait_for(lambda: metric(d.url, "kvtier_ticks_total") >= ticks + 30, "30 more ticks")
+                assert (ri.query() == 0).all(), ri.query()
+                assert idle.smaps_kib()["Swap"] == 0
+                assert metric(d.url, "kvtier_migrated_blocks_total", src="dram", dst="swap") == 16  # a's, asked
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
