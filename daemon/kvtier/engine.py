@@ -1772,13 +1772,6 @@ class Engine:
             # last_move with its start).
             t.last_move[rows[failed[seen]]] = now
             t.flags[rows[failed[~seen]]] |= np.uint8(F_STALE)
-            # A page-in that failed in part raced its owner's own faults
-            # (a reader bringing the same pages back): what the mover saw
-            # may be swap for pages in DRAM a moment later. Measured again.
-            if swap is not None:
-                racing = failed[seen & ((job.src[failed] == swap.index) | (job.src[failed] < 0))
-                                & (job.dst[failed] != swap.index)]
-                t.flags[rows[racing]] |= np.uint8(F_STALE)
             okm = job.ok[mv] & ~unt
             pairs = np.stack([job.src[mv], job.dst[mv]], axis=1)[okm].astype(np.int64)
             nb = job.nbytes[mv][okm].astype(np.int64)
@@ -2130,13 +2123,6 @@ class Engine:
         moving = self.mover.job
         if moving is not None:
             live &= ~np.isin(rows, t.rows_of(moving.region, moving.index))
-        # Blocks measured in full for nothing (a move overlapped): measured
-        # again. The move's result may be partial, or its own measurement
-        # older than its owner's faults; an operator's `measure` left 2,944
-        # blocks of a 1 Mi-block region reading swap that were in DRAM.
-        lost = rows[job.full & ~live & (rows >= 0)]
-        if lost.size:
-            t.flags[lost] |= np.uint8(F_STALE)
         flags = t.flags
         ms = np.flatnonzero(job.full & live)
         if ms.size:

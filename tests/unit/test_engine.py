@@ -1113,3 +1113,31 @@ def test_a_first_look_measures_every_block_in_steps_of_the_measuring_thread(rig,
     assert r.stats.residency_full_blocks_total == 0  # windows, not whole blocks
     # a window tells a node's pages; swapped ones are unknown until measured whole
     assert r.tiers(rid) == [DRAM if k == DRAM else -1 for k in kinds]
+
+
+def test_a_block_whose_measurement_a_move_overlapped_is_measured_again(rig):
+    """An operator's full measurement is running when a move of one of its
+    blocks ends: its result for that block is older than the move and
+    dropped, and the block keeps the stale mark the request gave it, so
+    the next tick measures it again. Kills: `_finish_measure` clearing the
+    stale mark of blocks whose result it dropped (the block would read
+    what the move left until the rotating sample came round: minutes at
+    1 Mi blocks), or applying the older result over the move's."""
+    r = rig(8, capacity={DRAM: 64 * BLOCK})
+    r.settle()
+    r.kernel.loc[3 * PPB : 4 * PPB] = SWAP
+    r.engine.request_measure()
+    r.tick()
+    assert r.tiers()[3] == SWAP_TIER
+    r.kernel.hold["residency"] = threading.Event()
+    scans = r.stats.residency_scans_total
+    r.engine.request_measure()
+    r.tick_until(lambda: r.engine.measurer.busy)  # it has seen block 3 in swap
+    r.engine.request_move(np.array([r.rows().start + 3]), DRAM)
+    r.tick_until(lambda: r.kernel.calls and not r.engine.mover.busy and r.tiers()[3] == DRAM)
+    r.kernel.loc[3 * PPB : 4 * PPB] = SWAP  # reclaimed again meanwhile
+    r.kernel.hold["residency"].set()
+    r.tick_until(lambda: r.stats.residency_scans_total > scans and not r.engine.measurer.busy)
+    assert r.tiers()[3] == DRAM  # the dropped result did not undo the move
+    r.tick(2)
+    assert r.tiers()[3] == SWAP_TIER  # measured again: where the kernel has it
