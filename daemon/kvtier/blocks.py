@@ -148,8 +148,7 @@ class Staged:
         return self.done == self.count
 
 
-def inflow_offset(tier: np.ndarray, prior: np.ndarray, nbytes: np.ndarray, dropped: float,
-                  known: np.ndarray | None = None) -> float:
+def inflow_offset(table, dropped: float, known: np.ndarray | None = None) -> float:
     """What the policy adds to the bytes in the measured tiers to count
     allocations (``policy.plan``'s ``dropped``): the bytes discarded
     (``BlockTable.dropped_bytes``), less the placed bytes of blocks whose
@@ -157,7 +156,10 @@ def inflow_offset(tier: np.ndarray, prior: np.ndarray, nbytes: np.ndarray, dropp
     a resident pool is not an allocation burst: counted as one (the first
     look and the rotating sample find up to 4,096 blocks a second at the
     defaults, 8 GiB/s of 2 MiB blocks) it made the policy demote the idle
-    pool to make room for allocations that never came."""
+    pool to make room for allocations that never came. ``table``: the
+    BlockTable or a ``snapshot()`` of it."""
+    tier, prior, nbytes = (table[k] if isinstance(table, dict) else getattr(table, k)
+                           for k in ("tier", "prior", "nbytes"))
     if known is None:
         known = np.flatnonzero(tier >= 0)
     was = known[prior[known] != 0]
@@ -195,7 +197,7 @@ class BlockTable:
     def inflow_offset(self, known: np.ndarray | None = None) -> float:
         """``inflow_offset`` of the live table (``known``: the rows with a
         known tier, if the caller has them)."""
-        return inflow_offset(self.tier, self.prior, self.nbytes, self.dropped_bytes, known)
+        return inflow_offset(self, self.dropped_bytes, known)
 
     def __len__(self) -> int:
         return self.n

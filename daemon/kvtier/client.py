@@ -989,11 +989,15 @@ class Client:
                                     "kvtierd is starting, or stopped while its socket unit holds the socket") from None
         # A new connection executes the engine regions' moves from now on
         # (the daemon dropped the moves pending on the old one).
-        for r in list(self._regions.values()):
-            if isinstance(r, EngineRegion) and not r.closed:
-                self._call_once(protocol.Attach(region=r.id, tiers=r.tiers.astype(protocol.TIERS_DTYPE).tobytes()))
+        for req in self._attaches():
+            self._call_once(req)
         self._greeted(server)
         self._ready_ring()
+
+    def _attaches(self) -> list[protocol.Attach]:
+        """The ``attach`` of every engine region held, for a new connection."""
+        return [protocol.Attach(region=r.id, tiers=r.tiers.astype(protocol.TIERS_DTYPE).tobytes())
+                for r in list(self._regions.values()) if isinstance(r, EngineRegion) and not r.closed]
 
     def _new_connection(self, s: socket.socket) -> None:
         self.sock = s
@@ -1029,9 +1033,7 @@ class Client:
             return False
         s.settimeout(self.timeout)
         self._new_connection(s)
-        frames = [protocol.Hello(client=self.name)]
-        frames += [protocol.Attach(region=r.id, tiers=r.tiers.astype(protocol.TIERS_DTYPE).tobytes())
-                   for r in self._regions.values() if isinstance(r, EngineRegion) and not r.closed]
+        frames = [protocol.Hello(client=self.name), *self._attaches()]
         data = b""
         for req in frames:
             req.id = self._next_id

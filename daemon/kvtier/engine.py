@@ -869,9 +869,8 @@ class Engine:
 
     def explain(self, row: int) -> str:
         snap = self.table.snapshot()
-        offset = inflow_offset(snap["tier"], snap["prior"], snap["nbytes"], self.table.dropped_bytes)
         return self._explained(snap, row, pol.explain(snap, row, self.tier_states(), self.policy_cfg, self.pstate,
-                                                      self.clock(), offset))
+                                                      self.clock(), inflow_offset(snap, self.table.dropped_bytes)))
 
     def read_soon(self, read: Callable[[], Any]) -> "asyncio.Future":
         """``read()`` on the explain thread, for an answer that reads the
@@ -911,8 +910,8 @@ class Engine:
                 if s is None:
                     reg.get(region_id)  # raises not_found with the reason
                 row = s.start + block
-                snap, dropped = self.table.snapshot(), self.table.dropped_bytes
-                dropped = inflow_offset(snap["tier"], snap["prior"], snap["nbytes"], dropped)
+                snap = self.table.snapshot()
+                dropped = inflow_offset(snap, self.table.dropped_bytes)
                 if reg.generation == gen:
                     return snap, row, pol.explain(snap, row, tiers, cfg, state, now, dropped)
             raise KvtierError(f"the block table changed {EXPLAIN_TRIES} times while it was copied: try again")
@@ -2208,12 +2207,13 @@ class Engine:
             self._queue_measure()
 
     def _may_hide_pages(self, rows: np.ndarray) -> np.ndarray:
-        """Of rows whose first window found no page, those the window may
-        have missed: all of a process with pages in swap (a swapped page has
+        """Of a first look's rows, those whose windows may miss pages that
+        are there: all of a process with pages in swap (a swapped page has
         no node for move_pages), and blocks in shared mappings (pages
-        another process faulted in or paged out). The others are not
-        written yet: measuring them in full would find nothing either (a
-        1 TiB sparse region: 268 M pages, an hour of the residency budget)."""
+        another process faulted in or paged out). Where the others' window
+        found no page they are not written yet: measuring them in full
+        would find nothing either (a 1 TiB sparse region: 268 M pages, an
+        hour of the residency budget)."""
         if rows.size == 0:
             return rows
         procs = self.registry.processes
