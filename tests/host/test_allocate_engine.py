@@ -170,3 +170,36 @@ def test_pending_moves_are_dropped_when_the_engine_disconnects(swapfile, workdir
     finally:
         assert d.stop() == 0
     assert "Traceback" not in d.read_log(), d.read_log()
+
+
+def test_a_hint_after_a_daemon_restart_reattaches_the_engine_region(swapfile, workdir):
+    """The engine's first call after kvtierd restarted is a hint: the hint
+    path reconnects without waiting (hello, then the engine regions'
+    ``attach``, then the hints, no answer awaited). The re-adopted region
+    must be attached to that connection, or the daemon has nobody to send
+    its moves to and the engine region is never tiered again."""
+    d = daemon_for_engines(workdir)
+    try:
+        engine = d.client(reconnect_timeout=30)
+        calls = []
+        region = engine.register_engine(2 * DRAM_SLOTS, BLOCK, [0] * (2 * DRAM_SLOTS),
+                                        lambda b, s, t: calls.append(b) or True)
+        engine.close_socket()  # no moves served before the restart
+        assert d.stop() == 0
+        d.start()
+        with d.client() as observer:
+            slow = next(t["index"] for t in observer.request("tiers")["tiers"] if t["kind"] == "swap")
+            assert [r["id"] for r in observer.regions()] == [region.id]  # re-adopted
+            assert observer.status()["engine"]["engine_regions_attached"] == 0
+            region.hint([0])  # the engine's first call: the no-wait reconnect
+            wait_for(lambda: observer.status()["engine"]["engine_regions_attached"] == 1,
+                     "the region attached by the hint path's reconnect")
+            # and the daemon's moves reach the engine over that connection
+            wait_for(lambda: engine.poll() or len(calls) > 0, "a move served after the restart")
+            wait_for(lambda: engine.poll() or (region.query() == slow).sum() >= DRAM_SLOTS // 2,
+                     "demotions served after the restart")
+        assert engine.flush() == []
+        engine.close()
+    finally:
+        assert d.stop() == 0
+    assert "Traceback" not in d.read_log(), d.read_log()
