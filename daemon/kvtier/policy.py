@@ -42,7 +42,11 @@ blocks it looked at and left alone, the rule that decided (``Plan.stay``,
       ``exchange_bar``) or has higher priority; the displaced resident goes
       to t+1. Tier 0 admits a tenant's blocks only within its quota. Hottest
       candidates meet the coldest residents first, so the exchange stops at
-      the first pair that fails the margin test.
+      the first pair that fails the margin test. While DRAM is still
+      filling at a rate, net of discarded blocks, that the migrator cannot
+      match and that fills its free room within BACKLOG_TAU_S, that room
+      is the new blocks' (``promote_limit``): promotions come in by
+      exchange only.
    c. ``_step_cold``: between the watermarks, blocks colder than
       ``demote_temp`` are demoted down to the low watermark: headroom for new
       allocations without evicting anything in use. Every cold block goes,
@@ -345,8 +349,15 @@ class PolicyState:
     # biased to 0): the sustained rate, where inflow_bps follows bursts.
     inflow_slow: float = 0.0
     inflow_slow_w: float = 0.0
+    # The same mean of the net rate, new bytes less those discarded (bytes in
+    # the measured tiers, ``net``), and the net total at the last count: how
+    # fast DRAM fills for good, where decode blocks freed at a request's end
+    # never need a move (_fills_for_good).
+    net_slow: float = 0.0
+    last_net: float | None = None
 
-    def refill(self, cfg: PolicyConfig, now: float, max_block: float, total: float | None = None) -> "PolicyState":
+    def refill(self, cfg: PolicyConfig, now: float, max_block: float, total: float | None = None,
+               net: float | None = None) -> "PolicyState":
         """Tokens for the time since the last refill; with ``total`` (bytes
         in the measured tiers, what the plan counts) also the allocation
         rate and backlog since the last counted total. A refill between
@@ -355,14 +366,17 @@ class PolicyState:
         (a 256 MiB backlog that kept promotions out of DRAM for minutes)."""
         if self.last_now is None or self.promote_tokens is None or self.demote_tokens is None:
             bp, bd = _bursts(cfg, max_block)
-            return PolicyState(bp, bd, now, total, 0.0, total_at=None if total is None else now)
+            return PolicyState(bp, bd, now, total, 0.0, total_at=None if total is None else now,
+                               last_net=net if total is not None else None)
         dt = max(0.0, now - self.last_now)
         inflow, var = self.inflow_bps, self.inflow_var
         backlog, peak = self.backlog, self.backlog_peak
         slow, slow_w = self.inflow_slow, self.inflow_slow_w
+        net_slow, last_net = self.net_slow, self.last_net
         last_total, total_at = self.last_total, self.total_at
         if total is not None and last_total is None:
             last_total, total_at = total, now  # the first count: a rate from the next one on
+            last_net = net
         elif total is not None:
             # seconds since that count (older state files have none: since the last refill)
             dtt = max(0.0, now - (total_at if total_at is not None else self.last_now))
@@ -371,12 +385,20 @@ class PolicyState:
                 inflow, var, backlog, peak = self._inflow(cfg, grown, dtt)
                 a = 1.0 - math.exp(-dtt / BACKLOG_TAU_S)
                 slow, slow_w = slow + a * (grown / dtt - slow), slow_w + a * (1.0 - slow_w)
-                last_total, total_at = total, now
+                if net is not None and last_net is not None:
+                    net_slow += a * ((net - last_net) / dtt - net_slow)
+                last_total, total_at, last_net = total, now, net
         bp, bd = _bursts(cfg, max_block, inflow)
         p = min(bp, self.promote_tokens + _promote_rate(cfg, inflow) * dt)
         d = min(bd, self.demote_tokens + _demote_rate(cfg, inflow) * dt)
         return PolicyState(p, d, max(now, self.last_now), last_total, inflow, var, backlog, peak, total_at,
-                           slow, slow_w)
+                           slow, slow_w, net_slow, last_net)
+
+    @property
+    def sustained_net_inflow(self) -> float:
+        """The net allocation rate's mean over about BACKLOG_TAU_S (bytes/s):
+        new bytes less discarded ones, negative while more are freed."""
+        return self.net_slow / self.inflow_slow_w if self.inflow_slow_w > 0 else 0.0
 
     @property
     def sustained_inflow(self) -> float:
@@ -610,15 +632,39 @@ def fill_bytes(tier: TierState, cfg: PolicyConfig, state: PolicyState) -> float:
     return max(target * cfg.low_wm, min(high, target - state.headroom(cfg)))
 
 
-def promote_limit(tier: TierState, cfg: PolicyConfig, state: PolicyState) -> float:
+def promote_limit(tier: TierState, cfg: PolicyConfig, state: PolicyState, used: float | None = None) -> float:
     """What promotions may fill a tier to: ``fill_bytes``, and in DRAM not
-    into the room kept for a backlog of allocations (theirs: _step_ended).
-    The plan and the engine's promotions between ticks both stop here."""
+    into the room kept for a backlog of allocations (theirs: _step_ended),
+    nor into the free room of a DRAM that allocations fill faster than the
+    migrator can empty it (``used``: bytes in the tier, by default its
+    ``used_bytes``). The plan and the engine's promotions between ticks
+    both stop here."""
     limit = fill_bytes(tier, cfg, state)
     if tier.index == 0:
         target = cfg.target_bytes(tier)
         limit = min(limit, target - state.backlog_room(target))
+        # While DRAM is still filling (free room beyond what the next
+        # burst_s of allocations and the backlog need, twice over, so a
+        # full DRAM's swings do not flip it) at a net rate the migrator
+        # cannot match, that room is the new blocks' (_fills_for_good):
+        # promotions come in by exchange only. Once DRAM is full they take
+        # the room the overflow step makes, as before.
+        used = tier.used_bytes if used is None else used
+        free = target - used
+        if free > 2.0 * (state.headroom(cfg) + state.backlog_room(target)) and _fills_for_good(state, cfg, free):
+            limit = min(limit, used)
     return limit
+
+
+def _fills_for_good(state: PolicyState, cfg: PolicyConfig, free: float) -> bool:
+    """Whether DRAM's ``free`` room fills within BACKLOG_TAU_S at the rate by
+    which allocations net of discards (``sustained_net_inflow``: decode blocks
+    freed at a request's end never need a move) outrun the migrator's
+    ``demote_mbps``. A block promoted into that room now is in the way once
+    DRAM is full, when each demotion is room for a new block (read by every
+    decode step of its request) and the migrator has none to spare."""
+    excess = state.sustained_net_inflow - cfg.demote_mbps * MIB
+    return excess > 0 and excess * BACKLOG_TAU_S >= free
 
 
 def _swap_tiers(tiers: Sequence[TierState]) -> np.ndarray:
@@ -810,7 +856,7 @@ def _step_promote(x: _Tick, t: int, floor: float) -> None:
         cand = allowed
         if cand.size == 0:
             return
-    room = max(0.0, promote_limit(x.tiers[t], cfg, x.state) - b.used[t] - b.late_out[t])
+    room = max(0.0, promote_limit(x.tiers[t], cfg, x.state, b.used[t]) - b.used[t] - b.late_out[t])
     free = x.tiers[t].free_bytes
     if free is not None:
         # what the node has free, minus what this plan already sends there
@@ -948,8 +994,9 @@ def plan(
     n = int(snap["tier"].size)
     max_block = float(snap["nbytes"].max()) if n else 0.0
     total = float(snap["nbytes"][(snap["tier"] >= 0) & (snap["tier"] < len(tiers))].sum()) if n else 0.0
+    net = total
     total += dropped
-    state = state.refill(cfg, now, max_block, total)
+    state = state.refill(cfg, now, max_block, total, net)
     if n == 0 or not tiers:
         return empty_plan(), state
     x = _Tick(snap, tiers, cfg, state, now)

@@ -929,3 +929,47 @@ def test_a_block_just_written_in_a_slower_tier_is_still_promoted():
     temp.decay(t, 30.0)
     p, _ = plan(t.snapshot(), tiers(10), c, PolicyState(), 30.0)
     assert p.rows.tolist() == [9] and p.dst.tolist() == [0]
+
+
+def test_promotions_leave_dram_free_room_to_new_blocks_while_allocations_outrun_the_migrator():
+    # DRAM of 100 blocks holds 50 warm ones; 10 hot blocks wait in CXL; the
+    # migrator demotes 4 blocks/s. Where new blocks, net of the discarded
+    # ones, come faster than that by enough to fill the 50 free within
+    # BACKLOG_TAU_S, that room is theirs: a block promoted into it now must
+    # be demoted again when every demotion is room for a new block, read by
+    # every decode step of its request. The hot blocks then come in only in
+    # exchange for colder residents (as many as the demote bucket's 4), DRAM
+    # stays at 50. Where the discards match the new blocks (decode blocks
+    # freed at a request's end) or the excess fills the room only after the
+    # horizon, all 10 fill the room.
+    c = cfg(demote_mbps=4 * BS / MIB)
+
+    def promoted_and_dram(dram_blocks, gross_blocks_s, net_blocks_s):
+        t = make_table(60, tier=0, temp=1.0)
+        t.tier[50:] = 1
+        t.temp[50:] = 5.0
+        st = PolicyState(promote_tokens=1e12, demote_tokens=1e12, last_now=99.0, last_total=60 * BS,
+                         total_at=99.0, inflow_slow=gross_blocks_s * BS, net_slow=net_blocks_s * BS,
+                         inflow_slow_w=1.0, last_net=60 * BS)
+        p, _ = plan(t.snapshot(), tiers(dram_blocks), c, st, 100.0)
+        apply(t, p, 100.0, c)
+        return int((t.tier[50:] == 0).sum()), used(t, 0) // BS
+
+    assert promoted_and_dram(100, 8.0, 8.0) == (4, 50)  # (8 - 4) x 300 s >= 50 free: exchanges only
+    assert promoted_and_dram(100, 8.0, 0.0) == (10, 60)  # as many discarded as written: DRAM does not fill
+    assert promoted_and_dram(100, 2.0, 2.0) == (10, 60)  # the migrator keeps up
+    assert promoted_and_dram(2000, 8.0, 8.0) == (10, 60)  # 1,950 free: more than the horizon's excess (1,200)
+
+
+def test_the_net_allocation_rate_counts_new_blocks_less_discarded_ones():
+    # 8 blocks/s written and as many discarded: the gross rate the bursts
+    # are sized by is 8, the net rate DRAM fills at for good is 0.
+    c = cfg(demote_mbps=4 * BS / MIB)
+    st = PolicyState().refill(c, 0.0, BS, 0.0, 0.0)
+    for s in range(1, 601):
+        st = st.refill(c, float(s), BS, s * 8.0 * BS, 0.0)
+    assert st.sustained_inflow == pytest.approx(8 * BS, rel=0.01)
+    assert abs(st.sustained_net_inflow) < 0.01 * BS
+    for s in range(601, 1201):  # now every block written stays
+        st = st.refill(c, float(s), BS, s * 8.0 * BS, (s - 600) * 8.0 * BS)
+    assert st.sustained_net_inflow > 6 * BS
