@@ -283,7 +283,8 @@ BACKLOG_TAU_S = 300.0
 # DRAM 21 GiB at 25 %): backlog peaks of 9-31 GiB kept promotions out and
 # DRAM 7-16 GiB full, 0.6770 against LRU's 0.7579; capped at a tenth,
 # 0.7585. The 15-cell grid did not move in the 4th digit (its backlogs
-# are 2-14 % of DRAM); 0.25 recovered only part (0.7401).
+# are 2-14 % of DRAM); 0.25 recovered only part (0.7401). Not capped where
+# DRAM fills for good (backlog_room).
 BACKLOG_ROOM_MAX = 0.1
 # How far ahead _step_cold looks for DRAM filling up at the sustained excess
 # of allocations over the migrator (_dram_fills): the time over which a
@@ -420,9 +421,17 @@ class PolicyState:
             peak = 0.0
         return inflow, var, backlog, peak
 
-    def backlog_room(self, target: float) -> float:
+    def backlog_room(self, target: float, cfg: "PolicyConfig") -> float:
         """Room DRAM (``target`` bytes) keeps free for the backlog of
-        allocations: its recent peak, at most BACKLOG_ROOM_MAX of DRAM."""
+        allocations: its recent peak, at most BACKLOG_ROOM_MAX of DRAM. Not
+        capped where allocations net of discards outrun ``demote_mbps``
+        (DRAM fills for good): there a block let into that room is demoted
+        again when every demotion is room for a new block, and the cap only
+        moved the loss (kvtier-sim cell 11 of docs/benchmarks.md, DRAM 5 %:
+        0.8264 capped, 0.8370 not; the cap is for bursts of blocks freed
+        as fast as written, cell 73)."""
+        if self.sustained_net_inflow > cfg.demote_mbps * MIB:
+            return min(self.backlog_peak, target)
         return min(self.backlog_peak, BACKLOG_ROOM_MAX * target)
 
     def headroom(self, cfg: "PolicyConfig") -> float:
@@ -642,7 +651,7 @@ def promote_limit(tier: TierState, cfg: PolicyConfig, state: PolicyState, used: 
     limit = fill_bytes(tier, cfg, state)
     if tier.index == 0:
         target = cfg.target_bytes(tier)
-        limit = min(limit, target - state.backlog_room(target))
+        limit = min(limit, target - state.backlog_room(target, cfg))
         # While DRAM is still filling (free room beyond what the next
         # burst_s of allocations and the backlog need, twice over, so a
         # full DRAM's swings do not flip it) at a net rate the migrator
@@ -651,7 +660,8 @@ def promote_limit(tier: TierState, cfg: PolicyConfig, state: PolicyState, used: 
         # the room the overflow step makes, as before.
         used = tier.used_bytes if used is None else used
         free = target - used
-        if free > 2.0 * (state.headroom(cfg) + state.backlog_room(target)) and _fills_for_good(state, cfg, free):
+        kept = state.headroom(cfg) + state.backlog_room(target, cfg)
+        if free > 2.0 * kept and _fills_for_good(state, cfg, free):
             limit = min(limit, used)
     return limit
 
@@ -903,7 +913,7 @@ def _step_ended(x: _Tick) -> None:
     the next burst instead of on CXL, where every decode step of its request
     would read it. Last in the plan: it only takes time nothing else wants."""
     b = x.b
-    goal = x.target[0] - x.state.backlog_room(x.target[0])
+    goal = x.target[0] - x.state.backlog_room(x.target[0], x.cfg)
     if goal >= b.used[0]:
         return
     cand = np.flatnonzero(x.demotable(0) & (x.eff <= 0.0))
@@ -968,7 +978,7 @@ def _dram_fills(state: PolicyState, cfg: PolicyConfig, free: float, target: floa
       first minutes) fills nothing within an hour.
     """
     rate = cfg.demote_mbps * MIB
-    if state.inflow_bps > rate and free < state.backlog_room(target) + state.headroom(cfg):
+    if state.inflow_bps > rate and free < state.backlog_room(target, cfg) + state.headroom(cfg):
         return True
     excess = state.sustained_inflow - rate
     return excess > 0 and excess * FILL_HORIZON_S >= free

@@ -973,3 +973,31 @@ def test_the_net_allocation_rate_counts_new_blocks_less_discarded_ones():
     for s in range(601, 1201):  # now every block written stays
         st = st.refill(c, float(s), BS, s * 8.0 * BS, (s - 600) * 8.0 * BS)
     assert st.sustained_net_inflow > 6 * BS
+
+
+def test_the_backlogs_room_is_not_capped_where_dram_fills_for_good():
+    # The tenth of DRAM is for bursts of blocks freed about as fast as they
+    # are written. Where allocations net of discards outrun the migrator,
+    # DRAM fills for good and the backlog's whole peak is kept: 60 of 100
+    # blocks here, made from the 20 finished ones (all of them go). The
+    # migrator: demote_mbps 4 GiB/s (2,048 blocks/s), new blocks 3,000/s.
+    t = make_table(99)
+    t.temp[:20] = 0.0
+    t.temp[20:] = 1.0
+    t.fresh[:20] = 1.0
+    t.last_access[:] = 90.0
+    t.runs[:20] = 1
+    c = cfg(high_wm=1.0, low_wm=0.98, demote_temp=0.5, promote_temp=3.0, demote_mbps=4096.0,
+            cold_demote=False)  # the backlog's room (_step_ended) alone
+
+    def demoted(net_blocks_s):
+        st = PolicyState(promote_tokens=1e12, demote_tokens=1e12, last_now=99.0, last_total=99 * BS,
+                         backlog_peak=60 * BS, inflow_slow=3000 * BS, net_slow=net_blocks_s * BS,
+                         inflow_slow_w=1.0)
+        assert st.backlog_room(100 * BS, c) == (60 if net_blocks_s > 2048 else 10) * BS
+        p, _ = plan(t.snapshot(), tiers(100), c, st, 100.0)
+        assert np.all(p.rows < 20), p.rows  # finished blocks only
+        return len(p)
+
+    assert demoted(0.0) == 9  # as many discarded as written: down to 90
+    assert demoted(3000.0) == 20  # every new block stays: all finished blocks go

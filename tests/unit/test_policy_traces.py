@@ -13,9 +13,10 @@ keeps more room free). Counting the blocks discarded meanwhile in the
 allocation rate (BlockTable.dropped_bytes, 30f5cd3 -> the next commit):
 conversation 0.826 -> 0.829 (1 GiB/s buckets 0.818 -> 0.825), synthetic
 0.759 unchanged. With DRAM's free room the new blocks' while allocations
-outrun the migrator (policy.promote_limit, 2026-12-07): conversation
-0.891, synthetic 0.825, conversation with 1 GiB/s buckets 0.860 (0.889
-before: the rule takes demote_mbps as the migrator's speed).
+outrun the migrator (policy.promote_limit, 2026-12-07) and the backlog's
+room uncapped where DRAM fills for good: conversation 0.891, synthetic
+0.825, conversation with 1 GiB/s buckets 0.869 (0.889 before: the rules
+take demote_mbps as the migrator's speed).
 Without phase
 messages runs still end on silence, so the phase path is covered by
 tests/unit/test_policy.py and test_hotness.py, not here."""
