@@ -870,7 +870,8 @@ class Engine:
     def explain(self, row: int) -> str:
         snap = self.table.snapshot()
         return self._explained(snap, row, pol.explain(snap, row, self.tier_states(), self.policy_cfg, self.pstate,
-                                                      self.clock(), inflow_offset(snap, self.table.dropped_bytes)))
+                                                      self.clock(), inflow_offset(snap, self.table.dropped_bytes),
+                                                      self.table.dropped_bytes))
 
     def read_soon(self, read: Callable[[], Any]) -> "asyncio.Future":
         """``read()`` on the explain thread, for an answer that reads the
@@ -911,9 +912,10 @@ class Engine:
                     reg.get(region_id)  # raises not_found with the reason
                 row = s.start + block
                 snap = self.table.snapshot()
-                dropped = inflow_offset(snap, self.table.dropped_bytes)
+                discarded = self.table.dropped_bytes
+                dropped = inflow_offset(snap, discarded)
                 if reg.generation == gen:
-                    return snap, row, pol.explain(snap, row, tiers, cfg, state, now, dropped)
+                    return snap, row, pol.explain(snap, row, tiers, cfg, state, now, dropped, discarded)
             raise KvtierError(f"the block table changed {EXPLAIN_TRIES} times while it was copied: try again")
 
         out = self.loop.create_future()
@@ -1467,10 +1469,12 @@ class Engine:
         offset = t.inflow_offset(known)
         if known.size == len(t):
             live = {name: getattr(t, name) for name in FIELDS}
-            plan, self.pstate = pol.plan(live, self.tier_states(), self.policy_cfg, self.pstate, now, offset)
+            plan, self.pstate = pol.plan(live, self.tier_states(), self.policy_cfg, self.pstate, now, offset,
+                                          t.dropped_bytes)
         else:
             live = {name: getattr(t, name)[known] for name in FIELDS}
-            plan, self.pstate = pol.plan(live, self.tier_states(), self.policy_cfg, self.pstate, now, offset)
+            plan, self.pstate = pol.plan(live, self.tier_states(), self.policy_cfg, self.pstate, now, offset,
+                                          t.dropped_bytes)
             if len(plan):
                 plan = replace(plan, rows=known[plan.rows])
         rows = plan.rows.astype(np.int64)

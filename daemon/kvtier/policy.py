@@ -991,6 +991,7 @@ def plan(
     state: PolicyState,
     now: float,
     dropped: float = 0.0,
+    discarded: float | None = None,
 ) -> tuple[Plan, PolicyState]:
     """Decide this tick's moves. Pure: ``snap`` and ``state`` are not modified.
 
@@ -999,13 +1000,19 @@ def plan(
     registration (no allocation). Counted with what is measured, the
     allocation rate is the new blocks' rate: net of discards it was 0 at a steady state
     where new blocks fill DRAM as fast as blocks demoted earlier are
-    discarded from CXL (the demo guest: about 70 % of the new blocks' rate)."""
+    discarded from CXL (the demo guest: about 70 % of the new blocks' rate).
+
+    ``discarded``: ``BlockTable.dropped_bytes`` alone (None: ``dropped``,
+    as where no pool was resident at registration). The net allocation
+    rate (``PolicyState.sustained_net_inflow``) is the growth of the
+    measured bytes less those resident at registration: ``dropped`` less
+    ``discarded`` added to them."""
     tiers = sorted(tiers, key=lambda t: t.index)
     n = int(snap["tier"].size)
     max_block = float(snap["nbytes"].max()) if n else 0.0
     total = float(snap["nbytes"][(snap["tier"] >= 0) & (snap["tier"] < len(tiers))].sum()) if n else 0.0
-    net = total
     total += dropped
+    net = total - (dropped if discarded is None else discarded)
     state = state.refill(cfg, now, max_block, total, net)
     if n == 0 or not tiers:
         return empty_plan(), state
@@ -1137,9 +1144,10 @@ def explain(
     state: PolicyState,
     now: float,
     dropped: float = 0.0,
+    discarded: float | None = None,
 ) -> str:
     """Human-readable account of where block ``row`` is and what the policy
-    would do (``dropped`` as for ``plan``)."""
+    would do (``dropped`` and ``discarded`` as for ``plan``)."""
     tiers = sorted(tiers, key=lambda t: t.index)
     T = len(tiers)
     n = int(snap["tier"].size)
@@ -1179,7 +1187,7 @@ def explain(
                 )
     # The verdict is the plan's own: the rule that moved the block, or the
     # rule that kept it where it is, as plan() recorded it.
-    p, _ = plan(snap, tiers, cfg, state, now, dropped)
+    p, _ = plan(snap, tiers, cfg, state, now, dropped, discarded)
     hit = np.flatnonzero(p.rows == row)
     if hit.size:
         i = int(hit[0])

@@ -1001,3 +1001,30 @@ def test_the_backlogs_room_is_not_capped_where_dram_fills_for_good():
 
     assert demoted(0.0) == 9  # as many discarded as written: down to 90
     assert demoted(3000.0) == 20  # every new block stays: all finished blocks go
+
+
+def test_a_pool_resident_at_registration_is_no_net_allocation_either():
+    # 100 blocks of a pool written before the daemon looked (prior), found
+    # in DRAM at once by the first look: neither the gross nor the net
+    # allocation rate counts them (a net rate that did would read as DRAM
+    # filling for good and keep promotions out of its free room).
+    c = cfg(demote_mbps=1.0)
+    t = make_table(100, tier=TIER_UNKNOWN)
+    t.prior[:] = 1
+    st = PolicyState()
+    for sec in range(0, 3):
+        if sec == 1:
+            t.tier[:] = 0  # the first look
+        _, st = plan(t.snapshot(), tiers(1000), c, st, float(sec), dropped=t.inflow_offset(),
+                     discarded=t.dropped_bytes)
+    assert st.inflow_bps == 0.0 and st.sustained_inflow == 0.0
+    assert st.sustained_net_inflow == 0.0
+    # blocks allocated since (no prior) count in both
+    t2 = make_table(100, tier=TIER_UNKNOWN)
+    st = PolicyState()
+    for sec in range(0, 3):
+        if sec == 1:
+            t2.tier[:] = 0
+        _, st = plan(t2.snapshot(), tiers(1000), c, st, float(sec), dropped=t2.inflow_offset(),
+                     discarded=t2.dropped_bytes)
+    assert st.sustained_inflow > 0 and st.sustained_net_inflow == pytest.approx(st.sustained_inflow)
