@@ -869,9 +869,15 @@ class Engine:
 
     def explain(self, row: int) -> str:
         snap = self.table.snapshot()
-        return self._explained(snap, row, pol.explain(snap, row, self.tier_states(), self.policy_cfg, self.pstate,
-                                                      self.clock(), inflow_offset(snap, self.table.dropped_bytes),
-                                                      self.table.dropped_bytes))
+        return self._explained(snap, row, self._policy_explain(snap, row, self.tier_states(), self.policy_cfg,
+                                                               self.pstate, self.clock()))
+
+    def _policy_explain(self, snap: Mapping[str, np.ndarray], row: int, tiers, cfg, state, now: float) -> str:
+        """``policy.explain`` of a snapshot's row, with the allocation
+        counts the plan gets (the table's discarded bytes, and with them
+        the snapshot's ``inflow_offset``)."""
+        discarded = self.table.dropped_bytes
+        return pol.explain(snap, row, tiers, cfg, state, now, inflow_offset(snap, discarded), discarded)
 
     def read_soon(self, read: Callable[[], Any]) -> "asyncio.Future":
         """``read()`` on the explain thread, for an answer that reads the
@@ -912,10 +918,9 @@ class Engine:
                     reg.get(region_id)  # raises not_found with the reason
                 row = s.start + block
                 snap = self.table.snapshot()
-                discarded = self.table.dropped_bytes
-                dropped = inflow_offset(snap, discarded)
+                text = self._policy_explain(snap, row, tiers, cfg, state, now)
                 if reg.generation == gen:
-                    return snap, row, pol.explain(snap, row, tiers, cfg, state, now, dropped, discarded)
+                    return snap, row, text
             raise KvtierError(f"the block table changed {EXPLAIN_TRIES} times while it was copied: try again")
 
         out = self.loop.create_future()
@@ -1467,16 +1472,12 @@ class Engine:
         # arrays; what the mover reads later is copied.
         known = np.flatnonzero(t.tier >= 0)
         offset = t.inflow_offset(known)
-        if known.size == len(t):
-            live = {name: getattr(t, name) for name in FIELDS}
-            plan, self.pstate = pol.plan(live, self.tier_states(), self.policy_cfg, self.pstate, now, offset,
-                                          t.dropped_bytes)
-        else:
-            live = {name: getattr(t, name)[known] for name in FIELDS}
-            plan, self.pstate = pol.plan(live, self.tier_states(), self.policy_cfg, self.pstate, now, offset,
-                                          t.dropped_bytes)
-            if len(plan):
-                plan = replace(plan, rows=known[plan.rows])
+        whole = known.size == len(t)
+        live = {name: getattr(t, name) if whole else getattr(t, name)[known] for name in FIELDS}
+        plan, self.pstate = pol.plan(live, self.tier_states(), self.policy_cfg, self.pstate, now, offset,
+                                      t.dropped_bytes)
+        if not whole and len(plan):
+            plan = replace(plan, rows=known[plan.rows])
         rows = plan.rows.astype(np.int64)
         dst = plan.dst.astype(np.int8)
         pos = np.arange(len(plan), dtype=np.int64)

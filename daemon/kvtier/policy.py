@@ -651,7 +651,8 @@ def promote_limit(tier: TierState, cfg: PolicyConfig, state: PolicyState, used: 
     limit = fill_bytes(tier, cfg, state)
     if tier.index == 0:
         target = cfg.target_bytes(tier)
-        limit = min(limit, target - state.backlog_room(target, cfg))
+        room = state.backlog_room(target, cfg)
+        limit = min(limit, target - room)
         # While DRAM is still filling (free room beyond what the next
         # burst_s of allocations and the backlog need, twice over, so a
         # full DRAM's swings do not flip it) at a net rate the migrator
@@ -660,8 +661,7 @@ def promote_limit(tier: TierState, cfg: PolicyConfig, state: PolicyState, used: 
         # the room the overflow step makes, as before.
         used = tier.used_bytes if used is None else used
         free = target - used
-        kept = state.headroom(cfg) + state.backlog_room(target, cfg)
-        if free > 2.0 * kept and _fills_for_good(state, cfg, free):
+        if free > 2.0 * (state.headroom(cfg) + room) and _fills_for_good(state, cfg, free):
             limit = min(limit, used)
     return limit
 
@@ -673,8 +673,14 @@ def _fills_for_good(state: PolicyState, cfg: PolicyConfig, free: float) -> bool:
     ``demote_mbps``. A block promoted into that room now is in the way once
     DRAM is full, when each demotion is room for a new block (read by every
     decode step of its request) and the migrator has none to spare."""
-    excess = state.sustained_net_inflow - cfg.demote_mbps * MIB
-    return excess > 0 and excess * BACKLOG_TAU_S >= free
+    return _fills_within(state.sustained_net_inflow, cfg, free, BACKLOG_TAU_S)
+
+
+def _fills_within(inflow: float, cfg: PolicyConfig, free: float, horizon: float) -> bool:
+    """Whether allocations at ``inflow`` bytes/s, less what the migrator
+    demotes (``demote_mbps``), fill ``free`` bytes within ``horizon`` s."""
+    excess = inflow - cfg.demote_mbps * MIB
+    return excess > 0 and excess * horizon >= free
 
 
 def _swap_tiers(tiers: Sequence[TierState]) -> np.ndarray:
@@ -980,8 +986,7 @@ def _dram_fills(state: PolicyState, cfg: PolicyConfig, free: float, target: floa
     rate = cfg.demote_mbps * MIB
     if state.inflow_bps > rate and free < state.backlog_room(target, cfg) + state.headroom(cfg):
         return True
-    excess = state.sustained_inflow - rate
-    return excess > 0 and excess * FILL_HORIZON_S >= free
+    return _fills_within(state.sustained_inflow, cfg, free, FILL_HORIZON_S)
 
 
 def plan(

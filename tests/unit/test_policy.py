@@ -1009,22 +1009,21 @@ def test_a_pool_resident_at_registration_is_no_net_allocation_either():
     # allocation rate counts them (a net rate that did would read as DRAM
     # filling for good and keep promotions out of its free room).
     c = cfg(demote_mbps=1.0)
-    t = make_table(100, tier=TIER_UNKNOWN)
-    t.prior[:] = 1
-    st = PolicyState()
-    for sec in range(0, 3):
-        if sec == 1:
-            t.tier[:] = 0  # the first look
-        _, st = plan(t.snapshot(), tiers(1000), c, st, float(sec), dropped=t.inflow_offset(),
-                     discarded=t.dropped_bytes)
+
+    def rates_after_the_first_look(prior):
+        t = make_table(100, tier=TIER_UNKNOWN)
+        t.prior[:] = prior
+        st = PolicyState()
+        for sec in range(0, 3):
+            if sec == 1:
+                t.tier[:] = 0  # the first look
+            _, st = plan(t.snapshot(), tiers(1000), c, st, float(sec), dropped=t.inflow_offset(),
+                         discarded=t.dropped_bytes)
+        return st
+
+    st = rates_after_the_first_look(1)
     assert st.inflow_bps == 0.0 and st.sustained_inflow == 0.0
     assert st.sustained_net_inflow == 0.0
     # blocks allocated since (no prior) count in both
-    t2 = make_table(100, tier=TIER_UNKNOWN)
-    st = PolicyState()
-    for sec in range(0, 3):
-        if sec == 1:
-            t2.tier[:] = 0
-        _, st = plan(t2.snapshot(), tiers(1000), c, st, float(sec), dropped=t2.inflow_offset(),
-                     discarded=t2.dropped_bytes)
+    st = rates_after_the_first_look(0)
     assert st.sustained_inflow > 0 and st.sustained_net_inflow == pytest.approx(st.sustained_inflow)
