@@ -308,7 +308,10 @@ def run_mode(mode: str, seconds: float, log_level: str = "info", sample_s: float
         rounds = [0]
         hint_s = [0.0]  # the workload's time inside region.hint(): what hinting costs the engine
         noop_s = [0.0]  # ... and inside an empty function call timed the same way
+        clock_s = [0.0]  # ... and between two clock reads with nothing between them: the
+        # timing's own cost, in every timed interval above (the net figures subtract it)
         calls_s: list[float] = []  # each pass's hint call (hint() or touch()), to see where hint_s went
+        kinds: list[int] = []  # (set API) what each touch did: 0 counted, 1 looked at the clock, 2 flushed
         noops_s: list[float] = []  # ... and its empty call
         declare_s: list[float] = []  # (set API) hint_set() and replace(), once a phase (in hint_s too)
         hot_ids: dict[int, np.ndarray] = {}
@@ -360,30 +363,48 @@ def run_mode(mode: str, seconds: float, log_level: str = "info", sample_s: float
                             hint_s[0] += declare_s[-1]
                             set_first[0] = first
                         call, arg = type(hint_set[0]).touch, hint_set[0]  # call(arg) is hs.touch()
-                    # The floor of this measurement: a call of a Python
-                    # function that does nothing, timed the same way (a
-                    # clock read is a system call in this guest), in
-                    # alternating order so neither call gets the warmer caches.
-                    if rounds[0] & 1:
+                    # The floors of this measurement: a call of a Python
+                    # function that does nothing, and nothing (two clock
+                    # reads in a row: what timing an interval adds to it,
+                    # a clock read being a system call in this guest), each
+                    # timed the same way; the three take turns at each
+                    # position in the pass, so none gets the warmer caches
+                    # or the first read after the reader's round trip.
+                    turn = rounds[0] % 3
+                    hs = hint_set[0]
+                    if hs is not None and not per_call:  # read outside the timed calls
+                        left, sent = hs._left, hs._due_at
+                    if turn == 0:
                         h0 = time.perf_counter()
                         call(arg)
                         h1 = time.perf_counter()
                         _noop(ids)
                         h2 = time.perf_counter()
-                        hint_s[0] += h1 - h0
-                        noop_s[0] += h2 - h1
-                        calls_s.append(h1 - h0)
-                        noops_s.append(h2 - h1)
+                        h3 = time.perf_counter()
+                        c, n, z = h1 - h0, h2 - h1, h3 - h2
+                    elif turn == 1:
+                        h0 = time.perf_counter()
+                        _noop(ids)
+                        h1 = time.perf_counter()
+                        h2 = time.perf_counter()
+                        call(arg)
+                        h3 = time.perf_counter()
+                        c, n, z = h3 - h2, h1 - h0, h2 - h1
                     else:
                         h0 = time.perf_counter()
-                        _noop(ids)
                         h1 = time.perf_counter()
                         call(arg)
                         h2 = time.perf_counter()
-                        noop_s[0] += h1 - h0
-                        hint_s[0] += h2 - h1
-                        calls_s.append(h2 - h1)
-                        noops_s.append(h1 - h0)
+                        _noop(ids)
+                        h3 = time.perf_counter()
+                        c, n, z = h2 - h1, h3 - h2, h1 - h0
+                    hint_s[0] += c
+                    noop_s[0] += n
+                    clock_s[0] += z
+                    calls_s.append(c)
+                    if hs is not None and not per_call:
+                        kinds.append(2 if hs._due_at != sent else int(left <= 1))
+                    noops_s.append(n)
                 rounds[0] += 1
             loop_s[0] = time.perf_counter() - t_start
 
@@ -460,7 +481,13 @@ def run_mode(mode: str, seconds: float, log_level: str = "info", sample_s: float
             "hint_share": round(hint_s[0] / loop_s[0], 5) if loop_s[0] > 0 else None,
             "noop_call_s": round(noop_s[0], 3),
             "noop_share": round(noop_s[0] / loop_s[0], 5) if loop_s[0] > 0 else None,
+            "clock_pair_s": round(clock_s[0], 3),
+            "clock_share": round(clock_s[0] / loop_s[0], 5) if loop_s[0] > 0 else None,
+            # the engine's time in the hint calls: as timed, less the timing's own cost per call
+            "hint_share_net": round((hint_s[0] - clock_s[0]) / loop_s[0], 5) if loop_s[0] > 0 and hints else None,
+            "noop_share_net": round((noop_s[0] - clock_s[0]) / loop_s[0], 5) if loop_s[0] > 0 and hints else None,
             **(call_spread(calls_s, declare_s) if calls_s else {}),
+            **({"touch_kinds": touch_kinds(calls_s, kinds)} if kinds else {}),
             **({"noop_spread": call_spread(noops_s, [])} if noops_s else {}),
             "series": series,
             "vmstat": delta,
@@ -488,6 +515,18 @@ def run_mode(mode: str, seconds: float, log_level: str = "info", sample_s: float
                 (log_dir / f"kvtierd-{tag}.log").write_text(text)
         write(NUMA_BALANCING, 0)
         child.close()
+
+
+def touch_kinds(calls_s: list[float], kinds: list[int]) -> dict:
+    """The touches' time by what they did: only counted down, looked at
+    the clock (and did not flush), flushed the set: calls, seconds, p50 us."""
+    c, k = np.asarray(calls_s[-len(kinds):]), np.asarray(kinds)
+    out = {}
+    for code, name in enumerate(("counted", "looked", "flushed")):
+        x = c[k == code]
+        out[name] = {"calls": int(x.size), "s": round(float(x.sum()), 4),
+                     "p50_us": round(float(np.median(x)) * 1e6, 1) if x.size else None}
+    return out
 
 
 def call_spread(calls_s: list[float], declare_s: list[float]) -> dict:
@@ -556,7 +595,11 @@ def hint_cost(m: dict) -> str:
             n = m["noop_spread"]
             spread += (f"; empty call: slowest 1 % {n['slowest_1pct_s']:.3f} s, the rest {n['others_s']:.3f} s "
                        f"(p50 {n['p50_us']:.0f} us)")
-    return f"{m['hint_call_s']:.2f} s = {m['hint_share']:.2%}{floor}{spread}"
+    net = ""
+    if m.get("hint_share_net") is not None:
+        net = (f"; less the clock reads' own {m['clock_share']:.2%}: {m['hint_share_net']:.2%} "
+               f"(empty call {m['noop_share_net']:.2%})")
+    return f"{m['hint_call_s']:.2f} s = {m['hint_share']:.2%}{floor}{net}{spread}"
 
 
 def table(res: dict) -> str:
