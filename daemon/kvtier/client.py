@@ -597,11 +597,13 @@ class HintSet:
     told it (the same entries, so the same temperatures and hint counters),
     at a cost per step of one attribute decrement and a comparison with 0:
     ``touch()`` counts down (in ints CPython keeps cached: no allocation)
-    to its next look at the clock, which the pace of the touches before
-    places where the set is due, within a quarter of ``hint_interval``
-    (LOOK_SHARE) and 32 touches (MAX_TOUCHES_PER_LOOK): about five clock
-    reads an interval at a pace of 1.6 ms a step. Once ``hint_interval``
-    has passed since the last flush, the look sends the counts. The first
+    to its next look at the clock. Once ``hint_interval`` has passed since
+    the last flush, the look sends the counts and plans the looks to the
+    next one from the pace since: a quarter of the interval apart
+    (LOOK_SHARE) and at most 32 touches (MAX_TOUCHES_PER_LOOK), the last
+    just past the flush's time; the looks between two flushes only read
+    the clock and compare. About five clock reads an interval at a pace of
+    1.6 ms a step. The first
     touch of a set is sent at once; after a pause, or when the steps slow
     down, the counts leave at the next look, at most 32 touches later (the
     first touches after a pause are the ones a promotion waits for).
@@ -628,9 +630,10 @@ class HintSet:
         # touches before that run: _base (so touches = _base + _run - _left)
         self._base = 0
         self._run = self._left = 1  # the first touch looks
-        self._looked_at = _clock()  # when the clock was last read ...
+        self._looked_at = _clock()  # when the clock was last read in full ...
         self._looked_touches = 0  # ... and the touches then: the pace
-        self._sent_at = -math.inf
+        self._due_at = -math.inf  # when the next flush is due (the first touch: at once)
+        self._stride = 1  # touches between two looks at the clock
         self._since = 0  # touches when the current blocks were last counted (flush or change)
         self._ids = np.zeros(0, dtype=_BLOCKS_DTYPE)  # the set, in its first _len entries
         self._acc = np.zeros(0, dtype=protocol.COUNTS_DTYPE)  # reads counted at changes, per entry
@@ -720,21 +723,31 @@ class HintSet:
         if self.closed:
             raise ValueError(f"hint set of region {self.region.id} is closed")
         touches = self._base = self._base + self._run - self._left
-        self._run = self._left = 0  # (touches stays right if a flush below raises)
         now = _clock()
-        interval = self.region.client.hint_interval
-        if now - self._sent_at >= interval:
-            self._send(now)
-        # Touches until the next look: as many as came in the time to the
-        # set's next flush (a quarter interval at most) at the pace since
-        # the last look, and one more, so that at a steady pace the look
-        # lands just past the flush's time, not just before it. (A clock
-        # that did not move: the most.)
-        wait = min(self._sent_at + interval - now, interval / LOOK_SHARE)
+        if now < self._due_at:
+            # A look between flushes: the clock and one comparison. (The
+            # full look below, with cold caches in the TCG guest, took
+            # 120 us to this one's ~10: vm_tiering_compare.py's touch_kinds.)
+            self._run = self._left = self._stride
+            return
+        self._run = self._left = 0  # (touches stays right if a flush below raises)
+        self._send(now)
+        # The looks until the next flush: the touches the pace since the
+        # last full look puts in an interval, and one more (so that at a
+        # steady pace the last look lands just past the flush's time), in
+        # LOOK_SHARE looks or more, at most MAX_TOUCHES_PER_LOOK touches
+        # apart; the first takes what does not divide evenly. (A clock that
+        # did not move: the most.)
         span = now - self._looked_at
-        step = int((touches - self._looked_touches) * wait / span) + 1 if span > 0 else MAX_TOUCHES_PER_LOOK
+        stride = first = MAX_TOUCHES_PER_LOOK
+        if span > 0:
+            total = math.ceil((touches - self._looked_touches) * self.region.client.hint_interval / span) + 1
+            looks = max(LOOK_SHARE, math.ceil(total / MAX_TOUCHES_PER_LOOK))
+            stride = math.ceil(total / looks)
+            first = max(1, total - (looks - 1) * stride)
         self._looked_at, self._looked_touches = now, touches
-        self._run = self._left = min(step, MAX_TOUCHES_PER_LOOK)
+        self._stride = stride
+        self._run = self._left = first
 
     def _take(self) -> list[tuple[np.ndarray, np.ndarray | int]]:
         """What is counted and not sent: (blocks, counts per block, or one
@@ -758,7 +771,7 @@ class HintSet:
         self._send(_clock())
 
     def _send(self, now: float) -> None:
-        self._sent_at = now  # the next flush is due hint_interval from here
+        self._due_at = now + self.region.client.hint_interval  # the next flush
         region = self.region
         n = self.touches - self._since
         if not (self._retired or self._folded) and n * self._len <= region.client.hint_batch:
