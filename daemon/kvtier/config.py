@@ -274,7 +274,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("policy", "margin_sigma", float, _P.margin_sigma,
            "... plus this many sqrt(temperature) units of counting noise.", 0),
     Option("policy", "min_residence_s", float, _P.min_residence_s,
-           "Seconds a block stays in a tier after a move before it may move again.", 0),
+           "Seconds a block stays in a tier after a move before it may be demoted (promotions do not wait: "
+           "a block read again is worth its move).", 0),
     Option("policy", "promote_mbps", float, _P.promote_mbps,
            "Promotion bandwidth budget, MiB/s.", 0, lo_open=True),
     Option("policy", "demote_mbps", float, _P.demote_mbps,

@@ -1202,11 +1202,10 @@ class Engine:
         flags = t.flags[rows]
         ok = (tier > 0) & (tier < len(tiers))
         ok &= (flags & np.uint8(F_UNMOVABLE | F_NOT_PRESENT | F_MANUAL_PIN)) == 0
-        # as the policy's settled blocks: not backing off (a block faulted
+        # as the policy's promotable blocks: not backing off (a block faulted
         # straight back after a pageout is barred from swap only, one whose
-        # demotion failed from demotions only), not moved within min_residence_s
+        # demotion failed from demotions only; min_residence_s bars demotions only)
         ok &= (t.retry_at[rows] <= now) | (t.returns[rows] > 0) | (t.fail_dir[rows] > 0)
-        ok &= now - t.last_move[rows] >= cfg.min_residence_s
         if cfg.tenant_dram_quota:
             ok &= ~np.isin(t.tenant[rows], np.fromiter(cfg.tenant_dram_quota, dtype=np.int64))
         rows = rows[ok]

@@ -387,11 +387,19 @@ def test_unmovable_reason_from_the_migrator_and_reprobe():
     assert "long-term pinned" in STUCK_TEXT[STUCK_PINNED]
 
 
-def test_min_residence_time():
+def test_min_residence_time_bars_demotions_not_promotions():
+    # two cold blocks in a full DRAM: the one promoted 5 s ago stays
+    t = make_table(4, tier=0, temp=0.0)
+    t.last_move[0] = 95.0
+    p, _ = plan(t.snapshot(), tiers(4), cfg(min_residence_s=10.0, high_wm=0.5, low_wm=0.25), PolicyState(), 100.0)
+    assert 0 not in p.rows.tolist() and len(p) > 0
+    # a hot block demoted 5 s ago comes back as soon as it is read again
+    # (held back, every later turn of a conversation that came within the
+    # residence read its blocks from CXL: kvtier-sim presets chat and rag)
     t = make_table(2, tier=1, temp=10.0)
     t.last_move[0] = 95.0
     p, _ = plan(t.snapshot(), tiers(100), cfg(min_residence_s=10.0), PolicyState(), 100.0)
-    assert p.rows.tolist() == [1]
+    assert sorted(p.rows.tolist()) == [0, 1] and set(p.dst.tolist()) == {0}
 
 
 def test_plan_is_pure():
@@ -508,8 +516,9 @@ def test_plan_invariants(seed, n, ntiers, dram, mbps, quota):
     assert not np.any((f & F_KEEP_DRAM != 0) & ~pinned & (p.dst > p.src) & (p.src == 0))
     if ntiers == 3:
         assert not np.any((f & F_NEVER_SWAP != 0) & ~pinned & (p.dst == 2))
-    # the residence time holds for everything the operator did not order
-    free_will = np.isin(p.reason, [R_OVERFLOW, R_COLD, R_EVICT, R_QUOTA, R_PROMOTE])
+    # the residence time holds for every demotion the operator did not
+    # order (promotions do not wait for it)
+    free_will = np.isin(p.reason, [R_OVERFLOW, R_COLD, R_EVICT, R_QUOTA])
     assert np.all(snap["last_move"][p.rows][free_will] <= 95.0)
     # rate limit: each direction within its bucket (burst = 1 s of rate, >= one block)
     burst = max(mbps * MIB, BS)
@@ -565,7 +574,8 @@ def test_explain_names_the_rule_that_kept_the_block(rule):
     elif rule == "margin":
         t.temp[4] = 5.5  # hotter than the residents, but not by the margin
     elif rule == "residence":
-        t.last_move[4] = 99.0
+        row = 0  # residents promoted 1 s ago are not demoted for the hotter row 4
+        t.last_move[:4] = 99.0
         kw = dict(min_residence_s=5.0)
     elif rule == "rate_limit":
         t.nbytes[:] = BS
