@@ -224,7 +224,7 @@ class PolicyConfig:
     margin_ratio: float = 0.25
     margin_abs: float = 1.0
     margin_sigma: float = 3.0  # counting-noise margin, in sqrt(temperature) units
-    min_residence_s: float = 5.0
+    min_residence_s: float = 2.0
     promote_mbps: float = 4096.0  # MiB/s
     demote_mbps: float = 4096.0
     burst_s: float = 1.0  # token bucket depth in seconds of rate
