@@ -66,11 +66,11 @@ MAX_IN_FLIGHT = 64
 RING_CHECK_BATCHES = 16
 MAX_CLOCK_STRIDE = 16  # hint calls between clock reads, at most (Region.hint): bounds how late a batch
 # goes out when the engine suddenly hints far less often
-# HintSet.touch counts down to its next look at the clock. The pace of the
-# touches between two looks predicts how many fit before the set is due:
-# the next look is that many touches away, but never more than 1/LOOK_SHARE
-# of hint_interval at that pace, nor more than MAX_TOUCHES_PER_LOOK touches,
-# so a pace that drops (or a pause) makes a flush late by at most that many
+# HintSet.touch counts down to its next look at the clock. At each flush
+# the pace of the touches since the last one predicts how many fit before
+# the next: the looks until then are at most 1/LOOK_SHARE of hint_interval
+# apart at that pace, and never more than MAX_TOUCHES_PER_LOOK touches, so
+# a pace that drops (or a pause) makes a flush late by at most that many
 # touches at the new pace. At the guest workload's pace (1.6 ms a pass)
 # that is about LOOK_SHARE + 1 clock reads per interval, where a stride of
 # 1-16 touches (as Region.hint's) read it 16 times (a clock read is a
