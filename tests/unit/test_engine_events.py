@@ -227,3 +227,15 @@ def test_a_release_takes_blocks_not_measured_since_they_were_written(wired):
           (r.table.tier[rows[:6]] == SWAP_TIER).all())
     assert (r.kernel.loc[8 * PPB : 14 * PPB] == SWAP).all()  # the kernel has them in swap
     assert (r.table.tier[rows[6:]] < 0).all() and (r.kernel.loc[14 * PPB : 16 * PPB] == -1).all()
+
+
+def test_a_block_demoted_a_moment_ago_comes_back_between_ticks_when_read(wired):
+    """min_residence_s bars demotions only: a block moved out of DRAM a
+    moment ago and read again is promoted in the next turns, as the plan
+    would (the conversation turn that comes back soon after its blocks'
+    demotion)."""
+    r = wired(8, min_residence_s=5.0)
+    place(r, 0)
+    r.table.last_move[2] = r.engine.clock()  # just moved
+    r.hint([2], count=1)
+    turns(r, lambda: r.tiers()[2] == DRAM)
