@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import errno
 import fcntl
 import grp
@@ -1699,27 +1700,46 @@ def listen_fds() -> list[int]:
 def bind_unix(path: str, mode: int, group: str) -> socket.socket:
     """Create the listening socket: replace a stale socket file (never any
     other kind of file), then chmod/chgrp before listen() so no client can
-    connect with the wrong permissions."""
+    connect with the wrong permissions.
+
+    The socket is bound under a temporary name beside ``path`` and renamed
+    onto it once it listens, so the path never names a socket that refuses
+    connections: a client (or a unit's ExecStartPost) that waits for the
+    file and then connects is never refused (seen in the guest: a test that
+    saw the file between bind() and listen() got ECONNREFUSED)."""
     d = os.path.dirname(path)
     if d:
         os.makedirs(d, mode=0o755, exist_ok=True)
-    try:
-        st = os.lstat(path)
+
+    def clear(p: str) -> None:
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            return
         if not stat.S_ISSOCK(st.st_mode):
-            raise os_error(errno.EEXIST, f"bind {path}", "exists and is not a socket")
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+            raise os_error(errno.EEXIST, f"bind {p}", "exists and is not a socket")
+        os.unlink(p)
+
+    clear(path)
+    # sun_path holds 107 bytes and a NUL: a path too long for the suffix is bound in place
+    tmp = f"{path}.new" if len(os.fsencode(path)) + 4 <= 107 else path
+    if tmp != path:
+        clear(tmp)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
-        sock.bind(path)
+        sock.bind(tmp)
         gid = group_gid(group)
         if gid is not None:
-            os.chown(path, -1, gid)
-        os.chmod(path, mode)
+            os.chown(tmp, -1, gid)
+        os.chmod(tmp, mode)
         sock.listen(512)
+        if tmp != path:
+            os.rename(tmp, path)
     except OSError as e:
         sock.close()
+        if tmp != path:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
         raise os_error(e.errno, f"listen on {path}") from None
     return sock
 
