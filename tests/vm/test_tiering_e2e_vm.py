@@ -72,10 +72,19 @@ DAMON_TICKS = 120
 # watermark: none with hints; DAMON's regions span block boundaries, so a
 # neighbour of the hot set can look warm to it.
 COLD_IN_DRAM = {True: 0, False: 4}
-# ...and below it, at most this many (a fresh-clone CI run on a loaded host:
-# 3 never-hot blocks back on node 0 after page-outs their pages came back
-# from, DRAM at 19 of its 32 blocks, every hot block in: no demotion due)
-COLD_LEFT = 4
+# ...and below it, where the policy has no reason to demote anything (that
+# room is free), at most this many: with hints, a fresh-clone CI run on a
+# loaded host left 3 never-hot blocks back on node 0 after page-outs their
+# pages came back from (DRAM at 19 of its 32 blocks, every hot block in);
+# with DAMON only, also blocks that DAMON's regions credited while they still
+# spanned the hot set's edge, promoted into free room: blocks 16 and 17 beside
+# the first hot set (0-15) in 2 of the 6 phases of three runs on 2026-12-08,
+# block 63 in one (`cold_in_dram` in tiering_e2e.jsonl; `explain`: 16 and 17
+# promoted 0.5 s before, effective temperature 0.7-0.8 by then, under the
+# promotion threshold 2.0), 6 in a fresh-clone CI run (ci30, 2026-12-07, guest
+# slowness 2.72, DAMON backed off to a quarter of its sampling; which blocks
+# was not recorded then, a failure now lists them with `explain`'s text).
+COLD_LEFT = {True: 4, False: 8}
 
 
 def low_watermark_blocks() -> int:
@@ -162,7 +171,21 @@ def placement(child: KVChild) -> np.ndarray:
     return np.stack([r.node_pages[:, DRAM_NODE] / pages, r.node_pages[:, FAR_NODE] / pages, r.swapped / pages])
 
 
-def wait_phase(d: Daemon, w: Workload, limit: int, ever_hot: np.ndarray, report: list, hints: bool) -> None:
+def explain_cold(kv: Client, region_id: int, blocks: np.ndarray) -> str:
+    """The daemon's own account (``explain``) of the first never-hot blocks
+    found in DRAM: what a failure needs to tell a wrong DAMON reading from a
+    page-in that landed on node 0 or a policy that kept the block."""
+    out = []
+    for b in blocks[:3]:
+        try:
+            out.append(f"block {b}:\n{kv.request('explain', region=region_id, block=int(b))['text']}")
+        except Exception as e:  # the failure report must not hide the failure
+            out.append(f"block {b}: explain failed: {e!r}")
+    return "\n".join(out)
+
+
+def wait_phase(d: Daemon, w: Workload, limit: int, ever_hot: np.ndarray, report: list, hints: bool,
+               kv: Client, region_id: int) -> None:
     """Poll until the phase's hot set is >= 90% on node 0 and the cold blocks
     are placed (not in DRAM; with hints, the never-hot ones filling swap), or
     ``limit`` ticks."""
@@ -179,17 +202,21 @@ def wait_phase(d: Daemon, w: Workload, limit: int, ever_hot: np.ndarray, report:
         # Cold (never-hot) blocks are not in DRAM, swap holds what neither
         # memory tier has room for, and only never-hot blocks are in it.
         cold = (dram[never] >= 0.5).sum()
-        cold_ok = cold <= COLD_IN_DRAM[hints] or (cold <= COLD_LEFT and (dram >= 0.5).sum() <= low_watermark_blocks())
+        cold_ok = cold <= COLD_IN_DRAM[hints] or (cold <= COLD_LEFT[hints] and (dram >= 0.5).sum() <= low_watermark_blocks())
         swap_ok = (not hints or swap.sum() * BLOCK >= MIN_SWAPPED) and swap[ever_hot].max() < 0.5
         if hot_at is not None and cold_ok and swap_ok:
-            report.append({"hot90_ticks": hot_at, "settled_ticks": n})
+            report.append({"hot90_ticks": hot_at, "settled_ticks": n,
+                           "cold_in_dram": never[dram[never] >= 0.5].tolist()})
             return
         if n > limit:
+            in_dram = never[dram[never] >= 0.5]
             raise AssertionError(
                 f"not converged in {limit} ticks (hot90 at {hot_at}): hot on node 0 {hot_frac:.0%}, "
-                f"never-hot blocks with most pages on node 0 {int((dram[never] >= 0.5).sum())}, "
+                f"never-hot blocks with most pages on node 0 {len(in_dram)} {in_dram.tolist()} "
+                f"(blocks on node 0 {int((dram >= 0.5).sum())}, low watermark {low_watermark_blocks()}), "
                 f"swapped {swap.sum() * BLOCK / MiB:.0f} MiB, ever-hot blocks swapped "
-                f"{int((swap[ever_hot] >= 0.5).sum())}; kvtierd log:\n{d.log.read_text()[-2000:]}")
+                f"{int((swap[ever_hot] >= 0.5).sum())}; {explain_cold(kv, region_id, in_dram)}\n"
+                f"kvtierd log:\n{d.log.read_text()[-2000:]}")
         time.sleep(TICK_S)
 
 
@@ -208,9 +235,10 @@ def run(tmp_path: Path, hints: bool, limit: int) -> list:
             region = kv.register(addr=child.addr, length=POOL, block_size=BLOCK, pid=child.pid, name="pool")
             w.region = region if hints else None
             w.thread.start()
-            wait_phase(d, w, limit, w.hot(PHASES[0]), report, hints)
+            wait_phase(d, w, limit, w.hot(PHASES[0]), report, hints, kv, region.id)
             w.first = PHASES[1]
-            wait_phase(d, w, limit, np.concatenate([w.hot(PHASES[0]), w.hot(PHASES[1])]), report, hints)
+            wait_phase(d, w, limit, np.concatenate([w.hot(PHASES[0]), w.hot(PHASES[1])]), report, hints, kv,
+                       region.id)
             w.close()
             region.unregister()
         finally:
