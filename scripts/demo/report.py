@@ -271,6 +271,78 @@ def turnover(timeline: list[dict], dram_bytes: int, block_bytes: int, reenter: b
             "window_s": window_s if reenter else None}
 
 
+def foresight(timeline: list[dict], dram_bytes: int, block_bytes: int) -> dict | None:
+    """Bytes a tierer that knows the future moves on this run's own reads,
+    and its DRAM share: Belady's MIN rule at one-second steps, which
+    promotes only a block just read (no prefetch) and only when that serves
+    more reads than the room it takes: the reference for what a top DRAM
+    share requires in moves, where ``turnover``'s floor never promotes a
+    block back and gets a far lower share.
+
+    Same conventions as ``turnover``: DRAM holds ``dram_bytes`` of the pool,
+    a new block gets DRAM (first touch; in a slot that was not dropped it
+    counts as promoted), a discarded block's room is free, and the placement
+    at the start of each second gives the share of that second's reads.
+    When room is needed the block whose next read is farthest away leaves
+    (one demotion). A block read this second from outside DRAM is promoted
+    if it is read again and DRAM has room, or its next read comes before
+    that of the resident read farthest ahead, who leaves for it; otherwise
+    it stays where it is (a read served from the slow tier costs nothing to
+    move). None if the timeline lacks the ground truth (older runs)."""
+    if not timeline or "read_blocks" not in timeline[0]:
+        return None
+    cap = max(0, dram_bytes // block_bytes)
+    inf = float("inf")
+    # next_read[i][b]: the second (index) of the next read, after second i,
+    # of what block slot b holds at the end of second i
+    next_read: list[dict[int, float]] = [{} for _ in timeline]
+    nxt: dict[int, float] = {}
+    for i in range(len(timeline) - 1, -1, -1):
+        r = timeline[i]
+        new = set(r["alloc_blocks"])
+        for b in set(r["discarded"]) - new:
+            nxt[b] = inf
+        next_read[i] = dict(nxt)
+        for b in new:  # what the slot held before this second is not read after it
+            nxt[b] = inf
+        for b in r["read_blocks"]:
+            nxt[b] = i
+    dram: set[int] = set()
+    promoted = demoted = hits = reads = 0
+    for i, r in enumerate(timeline):
+        got = dict(zip(r["read_blocks"], r["read_counts"]))
+        reads += sum(got.values())
+        hits += sum(c for b, c in got.items() if b in dram)
+        nu = next_read[i]
+        new = set(r["alloc_blocks"])
+        dead = set(r["discarded"]) - new
+        dram -= dead
+        enter = new - dram
+        promoted += len(enter - set(r["alloc_fresh"]))
+        dram |= enter
+        if len(dram) > cap:  # a new block too is demoted if read farthest ahead
+            out = sorted(dram, key=lambda b: -nu.get(b, inf))[:len(dram) - cap]
+            dram.difference_update(out)
+            demoted += len(out)
+        for b in sorted((b for b in got if b not in dram and b not in dead), key=lambda b: nu.get(b, inf)):
+            when = nu.get(b, inf)
+            if when == inf:
+                break
+            if len(dram) < cap:
+                dram.add(b)
+                promoted += 1
+                continue
+            far = max(dram, key=lambda x: nu.get(x, inf), default=None)
+            if far is None or nu.get(far, inf) <= when:
+                break
+            dram.discard(far)
+            dram.add(b)
+            promoted += 1
+            demoted += 1
+    return {"promoted": promoted * block_bytes, "demoted": demoted * block_bytes,
+            "bytes": (promoted + demoted) * block_bytes, "share": hits / reads if reads else None}
+
+
 def mode_row(mode: str, timeline: list[dict], summary: dict, meta: dict | None = None) -> dict:
     """One mode's figures: DRAM share (first 3 s, whole run, last 30 s),
     bytes moved, and the DRAM the mode's pool got: node 0's free memory when
@@ -333,9 +405,9 @@ def comparison_markdown(rows: list[dict], meta: dict) -> list[str]:
         "plus the kernel's reserve and 4 MiB; measured per mode in the last columns).",
         "",
         "| mode | DRAM share, first 3 s | DRAM share, whole run | DRAM share, last 30 s | bytes moved (kernel counters) "
-        "| turnover requires: bytes (DRAM share) | LRU ideal: bytes (DRAM share) | DRAM free at start "
-        "| pool in DRAM, max / mean of last 30 s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| turnover requires: bytes (DRAM share) | foresight (Belady MIN): bytes (DRAM share) "
+        "| LRU ideal: bytes (DRAM share) | DRAM free at start | pool in DRAM, max / mean of last 30 s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def mib(x):
@@ -353,7 +425,8 @@ def comparison_markdown(rows: list[dict], meta: dict) -> list[str]:
 
     for r in rows:
         lines.append(f"| {r['mode']} | {_pct(r['first'])} | {_pct(r['mean'])} | {_pct(r['last30'])} | "
-                     f"{r['moved'] / MIB:.0f} MiB | {ref(r.get('turnover'))} | {ref(r.get('lru_ideal'))} | "
+                     f"{r['moved'] / MIB:.0f} MiB | {ref(r.get('turnover'))} | {ref(r.get('foresight'))} | "
+                     f"{ref(r.get('lru_ideal'))} | "
                      f"{free_cell(r)} | "
                      f"{mib(r.get('pool_dram_max'))} / {mib(r.get('pool_dram_mean'))} MiB |")
     lines += [""] + verdict(rows) + [
@@ -361,13 +434,15 @@ def comparison_markdown(rows: list[dict], meta: dict) -> list[str]:
         "DRAM share: of the block reads in each second, the share whose block the kernel had in DRAM at the",
         "start of that second (move_pages + pagemap, measured by the workload). Bytes moved: pages migrated",
         "plus pages swapped out and in (/proc/vmstat pgmigrate_success + pswpout + pswpin) during the run.",
-        "Two ideal tierers replayed on each run's own reads (report.py `turnover`; each sees every read at",
-        "once, DRAM holds the target, a new block in a dropped slot is placed in DRAM by first touch and a",
-        "discarded block's room is free). *Turnover requires*: a new block always gets DRAM, the live block read",
-        "longest ago is demoted for it when DRAM is full, data that started outside DRAM (the shared prefix) is",
-        "promoted when first read, nothing is promoted back. *LRU ideal*: DRAM holds the blocks read in the last",
-        f"{HOT_WINDOW_S:.0f} s, most recent first, promoting each as it enters that set. DRAM share in brackets:",
-        "theirs, of the same reads, counted as the workload counts its own.",
+        "Three ideal tierers replayed on each run's own reads (report.py `turnover` and `foresight`; each sees",
+        "every read at once, DRAM holds the target, a new block in a dropped slot is placed in DRAM by first",
+        "touch and a discarded block's room is free). *Turnover requires*: a new block always gets DRAM, the",
+        "live block read longest ago is demoted for it when DRAM is full, data that started outside DRAM (the",
+        "shared prefix) is promoted when first read, nothing is promoted back. *Foresight (Belady MIN)*: knows",
+        "every future read; when room is needed the block read farthest ahead leaves, and a block just read",
+        "from outside DRAM comes in if its next read is sooner than that block's. *LRU ideal*: DRAM holds the",
+        f"blocks read in the last {HOT_WINDOW_S:.0f} s, most recent first, promoting each as it enters that set.",
+        "DRAM share in brackets: theirs, of the same reads, counted as the workload counts its own.",
         "",
         "![comparison](comparison.png)",
         "",
@@ -388,12 +463,16 @@ def verdict(rows: list[dict]) -> list[str]:
         out.append(f"kvtier's DRAM share over the run is {_pct(kv['mean'])}, "
                    + ("the highest" if kv["mean"] > best["mean"] else "NOT the highest")
                    + f" (next: {best['mode']} {_pct(best['mean'])}).")
-    ref = kv.get("turnover")
+    ref, fs = kv.get("turnover"), kv.get("foresight")
     if ref and ref["bytes"]:
         out.append(f"kvtier moved {kv['moved'] / MIB:.0f} MiB, {kv['moved'] / ref['bytes']:.2f} times the "
                    f"{ref['bytes'] / MIB:.0f} MiB its run's hot-set turnover requires "
                    f"({ref['promoted'] / MIB:.0f} MiB up, {ref['demoted'] / MIB:.0f} MiB of live blocks down "
                    f"for new ones; that ideal's DRAM share {_pct(ref['share'])}).")
+    if fs and fs["bytes"]:
+        out.append(f"A tierer that knows every future read (Belady MIN) moves {fs['bytes'] / MIB:.0f} MiB on "
+                   f"the same reads for a DRAM share of {_pct(fs['share'])}: kvtier moved "
+                   f"{kv['moved'] / fs['bytes']:.2f} times that for {_pct(kv['mean'])}.")
     return out
 
 
@@ -425,6 +504,7 @@ def main_modes(a, modes: list[str]) -> int:
             dram, block = int(m["budgets"]["0"]), int(summary["block_bytes"])
             row["turnover"] = turnover(timeline, dram, block)
             row["lru_ideal"] = turnover(timeline, dram, block, reenter=True)
+            row["foresight"] = foresight(timeline, dram, block)
         rows.append(row)
         meta = meta or m
     a.out.mkdir(parents=True, exist_ok=True)

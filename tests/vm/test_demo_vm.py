@@ -7,7 +7,8 @@ Asserts the demo's claim on outcomes, not speed, with the report's own
 code (scripts/demo/report.py): kvtier's share of block reads served from
 DRAM (measured by the workload from the kernel) is far above no tiering's
 and level with numa_balancing=2's or above; the bytes it moved (kernel counters) are within a small multiple of
-what the hot set's turnover requires on its run's own reads; DRAM holds no more than its target but the blocks
+what the hot set's turnover requires on its run's own reads, and at most twice what a tierer that knows the
+future (Belady MIN) moves for its share; DRAM holds no more than its target but the blocks
 first touched since the daemon's newest completed plan; blocks moved up per the daemon's counters.
 """
 
@@ -59,6 +60,7 @@ def test_demo_kvtier_serves_most_from_dram_moving_near_the_turnover(tmp_path):
         row = report.mode_row(mode, timeline, summary)
         target, block = int(meta["budgets"]["0"]), int(summary["block_bytes"])
         row["turnover"] = report.turnover(timeline, target, block)
+        row["foresight"] = report.foresight(timeline, target, block)
         rows[mode] = row
     kv = rows["kvtier"]
     # docs/benchmarks.md, four 60 s runs: kvtier 86-92 %, none 39-45 %,
@@ -73,6 +75,12 @@ def test_demo_kvtier_serves_most_from_dram_moving_near_the_turnover(tmp_path):
     # but level with it over a slow run's first 30 s (28 vs 14 MiB).
     floor = kv["turnover"]
     assert floor["bytes"] > 0 and kv["moved"] <= 5 * floor["bytes"], (kv["moved"], floor)
+    # The floor never promotes a block back (its share 57-67 %); a tierer
+    # that knows the future (Belady MIN, report.py `foresight`) reaches 92-94
+    # % on the same reads and moves about what kvtier moves: kvtier 0.93-1.25
+    # times its bytes in three 60 s runs (0.94-1.15 over their first 30 s).
+    fs = kv["foresight"]
+    assert fs["bytes"] > 0 and kv["moved"] <= 2 * fs["bytes"], (kv["moved"], fs)
 
     run = out / "kvtier"
     timeline, meta, summary = report.load(run)
