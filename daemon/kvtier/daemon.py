@@ -129,8 +129,8 @@ class Daemon:
             source_cpu_budget=d.source_cpu_budget, sources=self.sources, availability=self.availability, recorder=self.recorder,
         )
         self.registry.on_added, self.registry.on_hinted = self.engine.registered, self.engine.hinted
-        self.hotplug = uevents.TopologyFollower(self.engine, self.stats, lambda: topo_mod.discover(
-            d.sys_root, d.proc_root, topology_overrides(self.cfg), hotplug=True))
+        self.hotplug = uevents.TopologyFollower(self.engine, self.stats, lambda memory_tiers=None: topo_mod.discover(
+            d.sys_root, d.proc_root, topology_overrides(self.cfg), hotplug=True, memory_tiers=memory_tiers))
         self.uevents = uevents.UeventListener(loop, self.hotplug.on_burst)
         self.metrics_cfg = metrics_mod.MetricsConfig(**cfg.table("metrics"))
         self.metrics = self._exporter(self.metrics_cfg)

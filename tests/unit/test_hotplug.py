@@ -45,8 +45,8 @@ def tree(tmp_path):
     return dest
 
 
-def discover(tree: Path) -> topo.Topology:
-    return topo.discover(str(tree / "sys"), str(tree / "proc"), hotplug=True)
+def discover(tree: Path, memory_tiers=None) -> topo.Topology:
+    return topo.discover(str(tree / "sys"), str(tree / "proc"), hotplug=True, memory_tiers=memory_tiers)
 
 
 def offline_memory(tree: Path, node: int = 2) -> None:
@@ -214,7 +214,7 @@ def tick(eng) -> None:
 
 def test_follower_renumbers_block_tiers_and_counts_events(tree, engine_on, caplog):
     eng, stats = engine_on
-    follower = uevents.TopologyFollower(eng, stats, lambda: discover(tree))
+    follower = uevents.TopologyFollower(eng, stats, lambda **kw: discover(tree, **kw))
     t = eng.table
     t.tier[:] = [0, 1, 2, 3]  # dram, cxl0, far0, swap
     t.pin_tier[:] = [-1, 1, 2, -1]
@@ -237,7 +237,7 @@ def test_follower_renumbers_block_tiers_and_counts_events(tree, engine_on, caplo
 
 def test_a_change_during_a_migration_waits_for_it(tree, engine_on):
     eng, stats = engine_on
-    follower = uevents.TopologyFollower(eng, stats, lambda: discover(tree))
+    follower = uevents.TopologyFollower(eng, stats, lambda **kw: discover(tree, **kw))
     t = eng.table
     t.tier[:] = [0, 2, 2, 3]
     t.pin_tier[:] = [-1, 2, 2, 3]
@@ -253,6 +253,82 @@ def test_a_change_during_a_migration_waits_for_it(tree, engine_on):
     # Renumbered once the move is over (pin_tier: the tick then measures
     # every block for real, and this buffer's pages were never touched).
     assert names(eng.topology) == ["dram", "far0", "swap"] and t.pin_tier.tolist() == [-1, 1, 1, 2]
+
+
+def blocking_nodelist(tree: Path, tier: str = "memory_tier45") -> Path:
+    """That memory tier's nodelist made a FIFO: opening it for reading
+    blocks until a writer comes, as reading the kernel's does while an
+    offline unregisters the tier (topology.discover)."""
+    f = tree / "sys/devices/virtual/memory_tiering" / tier / "nodelist"
+    f.unlink()
+    os.mkfifo(f)
+    return f
+
+
+def finishes(fn, fifo: Path, timeout: float = 10.0) -> bool:
+    """Run ``fn`` on a thread; False if it is still blocked after ``timeout``
+    (then the FIFO gets a writer, so the thread ends)."""
+    import threading
+
+    th = threading.Thread(target=fn, daemon=True)
+    th.start()
+    th.join(timeout)
+    if th.is_alive():
+        with open(fifo, "w") as w:
+            w.write("1\n")
+        th.join(timeout)
+        return False
+    return True
+
+
+@pytest.mark.parametrize("how", ["poll", "burst"])
+def test_memory_going_away_never_reads_a_memory_tier_nodelist(tree, engine_on, how):
+    # The guest's kernel wedged for good: an offline holding memory_tier_lock
+    # waited for kvtierd's read of a nodelist, which waited for the lock. A
+    # re-discovery while memory goes keeps the tiers it knew instead.
+    eng, stats = engine_on
+    follower = uevents.TopologyFollower(eng, stats, lambda **kw: discover(tree, **kw))
+    fifo = blocking_nodelist(tree)
+    offline_memory(tree)  # node 2 leaves has_memory, its memory tier goes
+    if how == "poll":
+        go = follower.poll
+    else:
+        go = lambda: follower.on_burst([uevents.Uevent("offline", "memory", "/devices/system/memory/memory34"),
+                                        uevents.Uevent("remove", "memory_tiering",
+                                                       "/devices/virtual/memory_tiering/memory_tier22")])
+    assert finishes(go, fifo), "the re-discovery read a memory tier's nodelist while memory went away"
+    new = eng.latest_topology()
+    assert names(new) == ["dram", "far0", "swap"]
+    assert new.memory_tier_map() == {0: 4, 1: 45}  # the tiers known before, node 2 gone
+    assert stats.topology_events["tier_removed"] == 1
+
+
+def test_memory_coming_reads_the_memory_tiers(tree, engine_on):
+    # Onlining registers a tier (no wait on readers): the new node's kernel
+    # tier is read, so the CXL tier comes back in its place before far0.
+    eng, stats = engine_on
+    follower = uevents.TopologyFollower(eng, stats, lambda **kw: discover(tree, **kw))
+    saved = tmp = tree.parent / "tier22"
+    shutil.copytree(tree / "sys/devices/virtual/memory_tiering/memory_tier22", tmp)
+    offline_memory(tree)
+    follower.poll()
+    assert names(eng.latest_topology()) == ["dram", "far0", "swap"]
+    shutil.copytree(saved, tree / "sys/devices/virtual/memory_tiering/memory_tier22")
+    (tree / NODE / "has_memory").write_text("0-2\n")
+    (tree / NODE / "node2/meminfo").write_text(
+        "Node 2 MemTotal:       262144 kB\nNode 2 MemFree:        262144 kB\nNode 2 MemUsed:        0 kB\n")
+    follower.on_burst([uevents.Uevent("online", "memory", "/devices/system/memory/memory34")])
+    new = eng.latest_topology()
+    assert names(new) == ["dram", "cxl0", "far0", "swap"]
+    assert new.memory_tier_map() == {0: 4, 1: 45, 2: 22}
+
+
+def test_lost_nodes_compares_the_node_lists():
+    assert not uevents._lost_nodes(("0-2\n", "0-2\n"), ("0-2\n", "0-3\n"))
+    assert uevents._lost_nodes(("0-2\n", "0-2\n"), ("0-2\n", "0-1\n"))
+    assert uevents._lost_nodes(("0-2\n", "0-2\n"), ("0,2\n", "0-2\n"))
+    assert uevents._lost_nodes(("0-2\n", "0-2\n"), None)
+    assert uevents._lost_nodes(("0-2\n", None), ("0-2\n", "0-2\n"))
 
 
 def test_pending_changes_compose(tree, engine_on):

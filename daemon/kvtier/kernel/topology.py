@@ -170,6 +170,10 @@ class Topology:
         fallback when no uevent socket tells (kernel/uevents.py)."""
         return node_signature(self.sys_root) != self.signature
 
+    def memory_tier_map(self) -> dict[int, int]:
+        """node -> the kernel memory tier id read at discovery (nodes in none left out)."""
+        return {n: i.memory_tier for n, i in self.nodes.items() if i.memory_tier is not None}
+
     def tier_for_node(self, node: int) -> Tier:
         """The tier holding ``node``; InvalidArgument if no tier does."""
         try:
@@ -782,6 +786,7 @@ def discover(
     overrides: Mapping[str, Any] | None = None,
     *,
     hotplug: bool = False,
+    memory_tiers: Mapping[int, int] | None = None,
 ) -> Topology:
     """Read the machine's memory tiers below ``sys_root``/``proc_root``.
 
@@ -790,12 +795,22 @@ def discover(
     degrade to warnings in ``Topology.warnings``. ``hotplug``: a
     re-discovery after memory went offline, where a configured node that is
     gone is a warning (its tier shrinks or goes), not a config error.
+
+    ``memory_tiers``: node -> kernel memory tier id to use instead of
+    reading ``memory_tiering/memory_tierN/nodelist`` (a node missing from it
+    has none). While memory goes offline that read can deadlock the kernel
+    (6.12, seen in the guest): the offline holds ``memory_tier_lock`` while it
+    unregisters a memory tier that lost its last node, and waits for the
+    readers of that tier's ``nodelist`` to leave; a reader inside
+    ``nodelist_show`` waits for ``memory_tier_lock``. Both stay in D state for
+    good, the reader being kvtierd's event loop. A re-discovery after memory
+    went away passes the tiers it knew (``Topology.memory_tier_map``).
     """
     ov = validate_overrides(overrides)
     warnings: list[str] = []
     nodes = _read_nodes(sys_root, proc_root, warnings)
 
-    memtiers = _read_memory_tiers(sys_root)
+    memtiers = _read_memory_tiers(sys_root) if memory_tiers is None else dict(memory_tiers)
     if memtiers is None:
         warnings.append("kernel memory tiers absent (no memory_tiering in sysfs): ordering by HMAT/SLIT")
     for info in nodes.values():

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from kvtier import logs
 from kvtier.errors import KvtierError
-from kvtier.kernel import topology
+from kvtier.kernel import sysfs, topology
 
 log = logging.getLogger("kvtier.uevents")
 
@@ -137,37 +137,57 @@ class UeventListener:
                 pass
 
 
+# Actions after which memory may still be going away: a re-discovery then
+# does not read the kernel's memory tiers (topology.discover, memory_tiers).
+GOING = frozenset({"offline", "remove"})
+
+
 class TopologyFollower:
     """Re-discovers the tiers after a hot-plug burst (or when the per-tick
     check sees the node lists change) and hands the new topology to the
     engine with the tier renumbering (topology.compare). Logs ``tier_added``
     and ``tier_removed`` events and counts them in
-    ``DaemonStats.topology_events``."""
+    ``DaemonStats.topology_events``.
 
-    def __init__(self, engine: Any, stats: Any, discover: Callable[[], Any]):
+    ``discover(memory_tiers=None)`` re-reads the machine. Where memory is
+    going away (a burst with an offline or remove, node lists that lost a
+    node) it is given the kernel memory tiers the current topology knows
+    instead of reading them: reading a memory tier's nodelist while an
+    offline removes that tier deadlocks the kernel (topology.discover). The
+    nodes that stay keep their tiers, the ones that went drop out; a node
+    that comes at the same time is ordered by HMAT/SLIT until the next
+    re-discovery that reads them (the next burst of onlines)."""
+
+    def __init__(self, engine: Any, stats: Any, discover: Callable[..., Any]):
         self.engine = engine
         self.stats = stats
         self.discover = discover
 
     def on_burst(self, events: list[Uevent]) -> None:
         kinds = sorted({f"{e.subsystem}:{e.action}" for e in events})
-        self.refresh(f"{len(events)} uevent(s) {','.join(kinds)}")
+        self.refresh(f"{len(events)} uevent(s) {','.join(kinds)}",
+                     memory_going=any(e.action in GOING for e in events))
 
     def poll(self) -> None:
-        """Every tick: two small sysfs reads (Topology.changed_on_disk)."""
+        """Every tick: two small sysfs reads (Topology.changed_on_disk). The
+        kernel clears a node from has_memory before it unregisters the
+        node's memory tier, so a change seen here can be an offline still
+        under way."""
         try:
-            changed = self.engine.latest_topology().changed_on_disk()
+            old = self.engine.latest_topology()
+            changed = old.changed_on_disk()
+            now = topology.node_signature(old.sys_root) if changed else None
         except (KvtierError, OSError) as e:
             log.debug("node list check failed: %s", e)
             return
         if changed:
-            self.refresh("node list changed")
+            self.refresh("node list changed", memory_going=_lost_nodes(old.signature, now))
 
-    def refresh(self, why: str) -> None:
+    def refresh(self, why: str, memory_going: bool = False) -> None:
         old = self.engine.latest_topology()
         ev = self.stats.topology_events
         try:
-            new = self.discover()
+            new = self.discover(memory_tiers=old.memory_tier_map()) if memory_going else self.discover()
         except (KvtierError, OSError) as e:
             ev["rediscover_failed"] += 1
             logs.event(log, "topology_rediscover_failed", logging.ERROR, reason=why, error=str(e))
@@ -187,3 +207,18 @@ class TopologyFollower:
                    nodes_added=",".join(map(str, change.nodes_added)) or "-",
                    nodes_removed=",".join(map(str, change.nodes_removed)) or "-")
         self.engine.set_topology(new, change.index_map)
+
+
+def _lost_nodes(before: tuple, now: tuple | None) -> bool:
+    """Whether a node left the online or has_memory list between two
+    ``topology.node_signature`` readings (unreadable lists count as lost)."""
+    if now is None or len(before) != len(now):
+        return True
+    for a, b in zip(before, now):
+        if a is None or b is None:
+            if a != b:
+                return True
+            continue
+        if not set(sysfs.parse_list(a)) <= set(sysfs.parse_list(b)):
+            return True
+    return False
