@@ -65,7 +65,10 @@ def write_bounded(path: Path, text: str, timeout: float = DEADLINE) -> None:
     """Write a sysfs file from a child process, bounded: offlining
     can block in the kernel (a CI run on a loaded host saw the writer and
     another task in D state for over 600 s, and the whole guest run then
-    timed out with no clue). On timeout the blocked tasks' kernel stacks
+    timed out with no clue; the stacks, once printed, showed kvtierd reading
+    a memory tier's nodelist while the offline removed that tier, a kernel
+    deadlock kvtierd now stays out of: kvtier.kernel.topology.discover,
+    memory_tiers). On timeout the blocked tasks' kernel stacks
     (sysrq w) go into the failure and the child is left behind; a task in
     D state cannot be killed, but this test fails with the reason instead of
     hanging every test after it."""
