@@ -2356,7 +2356,10 @@ class Engine:
             r = self._collected_rows(job, obs.rows)
             ok = (r >= 0) & (r < len(t))
             r = r[ok]
-            self.temperature.add(t, r, obs.counts[ok], now, obs.weight)
+            # A source backed off looks once every `slowdown` ticks: a run
+            # its look starts is that old (hotness.Temperature.add, span).
+            span = self.pace[source.name].slowdown * self.temperature.interval
+            self.temperature.add(t, r, obs.counts[ok], now, obs.weight, span=span)
             if self.recorder is not None:
                 self.recorder.observed(obs.source, r, obs.counts[ok], obs.weight)
             # seen accessed while the table says not present: measure it

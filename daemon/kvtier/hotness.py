@@ -35,7 +35,11 @@ What a KV cache's reads look like shapes two corrections, both in
   read of a block, the first after its run ended or after phase ``free``),
   and ``rate_temp`` = temp / (1 - fresh) is the unbiased estimate of r*tau
   the policy ranks by (the bias correction of an exponential moving average
-  started at zero).
+  started at zero). The reads that start a run stand for the time since
+  their source last looked (``add``'s ``span``: one tick, or ``slowdown``
+  ticks for a source the engine's CPU budget backed off), and the run
+  starts that old: a run started one tick old by a source looking every
+  k ticks was ranked k times above the blocks it had seen all along.
 
 Blocks whose run is over (temperature 0) are not all alike: a prefix many
 requests share (a system prompt, a popular document, a conversation that
@@ -331,9 +335,13 @@ class Temperature:
         now: float,
         weight: float = 1.0,
         checked: bool = False,
+        span: float | None = None,
     ) -> None:
         """Add ``weight * counts`` to the given rows; duplicate rows add up.
-        ``checked``: the caller has checked the rows are in the table."""
+        ``checked``: the caller has checked the rows are in the table.
+        ``span``: the seconds these counts stand for (a source that looks
+        every few ticks), default the last decay step: a run they start is
+        that old."""
         rows = np.asarray(rows, dtype=np.int64)
         if rows.size == 0:
             return
@@ -352,7 +360,7 @@ class Temperature:
         start = rows[(table.fresh[rows] >= _RESTART) | (old_la == -np.inf)]
         if start.size:
             table.temp[start] = 0.0
-            table.fresh[start] = np.float32(self.factor(self.interval))
+            table.fresh[start] = np.float32(self.factor(self.interval if span is None else max(span, self.interval)))
             # one run per block however often it is listed: a buffered fancy
             # add counts a duplicate once (np.unique did the same at ~300 ns a row)
             table.runs[start] += np.float32(1.0)

@@ -14,6 +14,7 @@ other test (the edit is named in the test's docstring).
 from __future__ import annotations
 
 import asyncio
+import math
 import errno
 import threading
 from pathlib import Path
@@ -1141,3 +1142,24 @@ def test_a_block_whose_measurement_a_move_overlapped_is_measured_again(rig):
     assert r.tiers()[3] == DRAM  # the dropped result did not undo the move
     r.tick(2)
     assert r.tiers()[3] == SWAP_TIER  # measured again: where the kernel has it
+
+
+def test_a_backed_off_source_starts_runs_as_old_as_its_looks(rig):
+    """A source the CPU budget backed off to one collect in k ticks credits
+    each collect with what it saw then; a block its collect sees for the
+    first time starts a run k ticks old (hotness.Temperature.add, span), so
+    it ranks by the rate those looks give. Kills: the span left out (a run
+    one tick old: DAMON's neighbours of a hot set, seen once, ranked k times
+    above the hot set)."""
+    r = rig(4)
+    r.settle()
+    eng = r.engine
+    p = eng.pace["fake"]
+    p.slowdown, p.skip = 4, 0
+    row = r.rows().start + 1
+    r.source.queue.append(Observation("fake", np.array([row]), np.array([2.0], dtype=np.float32), 1.0))
+    calls = r.source.calls
+    r.tick()
+    assert r.source.calls == calls + 1
+    h = eng.temperature
+    assert r.table.fresh[row] == pytest.approx(math.exp(-4 * h.interval / h.tau_s), rel=1e-4)

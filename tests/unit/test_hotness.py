@@ -305,3 +305,27 @@ def test_reads_queued_for_arming_survive_a_region_removed_before_the_tick():
             h.decay(t, 1.5 + 0.25 * k)
         np.testing.assert_array_equal(tabs[0].temp, tabs[1].temp, err_msg=f"step {k}")
     assert (tabs[0].temp == 0).all()
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_a_source_that_looks_every_k_ticks_starts_runs_at_its_steady_rate(k):
+    # A source backed off to one look every k ticks (the engine's source
+    # CPU budget) credits each look with what it saw in it. A block it sees
+    # for the first time ranks by the rate its looks give, as a block it has
+    # seen for a minute does: its run starts k ticks old (span). Starting
+    # it one tick old ranked a DAMON region's edge, seen once, k times above
+    # the hot set it borders (seen in the guest: such neighbours promoted,
+    # then found at a third of the promotion threshold 0.5 s later).
+    tick, c = 0.5, 5.0
+    t = table(2)
+    h = Temperature(5.0)
+    eff_new = None
+    for n in range(200):
+        now = n * tick
+        h.decay(t, now)
+        if n % k == 0:
+            rows = [0] if n < 160 else [0, 1]
+            h.add(t, np.array(rows), np.float32(c), now, span=k * tick)
+            if n == 160:
+                eff_new = rate_temp(t.temp, t.fresh).copy()
+    assert eff_new[1] == pytest.approx(eff_new[0], rel=0.25)
