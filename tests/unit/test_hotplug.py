@@ -308,8 +308,8 @@ def test_memory_coming_reads_the_memory_tiers(tree, engine_on):
     # tier is read, so the CXL tier comes back in its place before far0.
     eng, stats = engine_on
     follower = uevents.TopologyFollower(eng, stats, lambda **kw: discover(tree, **kw))
-    saved = tmp = tree.parent / "tier22"
-    shutil.copytree(tree / "sys/devices/virtual/memory_tiering/memory_tier22", tmp)
+    saved = tree.parent / "tier22"
+    shutil.copytree(tree / "sys/devices/virtual/memory_tiering/memory_tier22", saved)
     offline_memory(tree)
     follower.poll()
     assert names(eng.latest_topology()) == ["dram", "far0", "swap"]

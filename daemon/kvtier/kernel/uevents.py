@@ -173,14 +173,13 @@ class TopologyFollower:
         kernel clears a node from has_memory before it unregisters the
         node's memory tier, so a change seen here can be an offline still
         under way."""
+        old = self.engine.latest_topology()
         try:
-            old = self.engine.latest_topology()
-            changed = old.changed_on_disk()
-            now = topology.node_signature(old.sys_root) if changed else None
+            now = topology.node_signature(old.sys_root)  # what changed_on_disk compares
         except (KvtierError, OSError) as e:
             log.debug("node list check failed: %s", e)
             return
-        if changed:
+        if now != old.signature:
             self.refresh("node list changed", memory_going=_lost_nodes(old.signature, now))
 
     def refresh(self, why: str, memory_going: bool = False) -> None:
